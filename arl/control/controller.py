@@ -1,0 +1,361 @@
+"""The controller: one ROUTER that every node's DEALER connects to (DESIGN §1).
+
+It is a plain async context manager with no global state, usable inside any running asyncio
+loop (several per process are fine)::
+
+    async with Controller(security) as ctl:
+        node, = await ctl.wait_for_nodes(1)
+        engine = await node.create("arl.engines.hf:HFEngine", model_path)
+        out = await engine.agenerate(ids, sampling)
+
+Calls carry a request id that the reply echoes, so any number can be in flight per node.
+Heartbeats go both ways; a node silent for ``heartbeat_timeout`` is lost: its in-flight calls
+fail with `NodeLost` naming the node and the method, and ``on_node_lost`` callbacks run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from arl.wire.codec import Message, WireError, decode_message, encode_message, peek_id
+from arl.wire.sockets import Authenticator, Security, bind_tcp, make_socket, new_secret
+
+log = logging.getLogger("arl.controller")
+
+
+class RemoteError(RuntimeError):
+    """An exception raised on a node, re-raised on the caller with the remote traceback."""
+
+    def __init__(self, node: str, method: str, type_name: str, message: str, tb: str):
+        self.node, self.method = node, method
+        self.type_name, self.remote_message, self.remote_traceback = type_name, message, tb
+        super().__init__(
+            f"{type_name} on node {node} in {method}: {message}\n--- remote traceback ---\n{tb}"
+        )
+
+
+class NodeLost(RuntimeError):
+    """A node stopped answering (or exited) while a call to it was in flight."""
+
+    def __init__(self, node: str, doing: str = "", why: str = ""):
+        self.node, self.doing = node, doing
+        what = f" while running {doing}" if doing else ""
+        super().__init__(f"node {node} was lost{what}: {why or 'no heartbeat'}")
+
+
+class NodeHandle:
+    """The controller's view of one node: its hello info, gauges, and a way to call it."""
+
+    def __init__(self, ctl: Controller, node_id: str, identity: bytes, info: dict):
+        self.ctl, self.node_id, self.identity, self.info = ctl, node_id, identity, info
+        self.stats: dict = {}
+        self.last_seen = time.monotonic()
+        self.lost: str = ""
+        self._names = itertools.count()
+
+    def __repr__(self) -> str:
+        return f"NodeHandle({self.node_id}, pid={self.info.get('pid')})"
+
+    async def call(self, op: str, args: dict | None = None, timeout: float | None = None) -> Any:
+        """Run a node-level method (ping, create, call, destroy) and return its result."""
+        return await self.ctl.call(self.node_id, op, args or {}, timeout=timeout)
+
+    async def create(self, target: str, *args: Any, name: str = "", **kwargs: Any) -> RemoteObject:
+        """Build ``target`` ("pkg.module:Class") on the node; returns a handle to the object."""
+        name = name or f"{target.rpartition(':')[2]}-{next(self._names)}"
+        await self.call("create", {"name": name, "target": target, "args": list(args),
+                                   "kwargs": kwargs})
+        return RemoteObject(self, name)
+
+
+class RemoteObject:
+    """An object living on a node; ``await obj.method(...)`` calls it there."""
+
+    def __init__(self, node: NodeHandle, name: str):
+        self.node, self.name = node, name
+
+    def __repr__(self) -> str:
+        return f"RemoteObject({self.name} on {self.node.node_id})"
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``method`` of the remote object with msgpack-able arguments."""
+        return await self.node.call(
+            "call", {"obj": self.name, "method": method, "args": list(args), "kwargs": kwargs}
+        )
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        if method.startswith("_"):
+            raise AttributeError(method)
+
+        async def bound(*args: Any, **kwargs: Any) -> Any:
+            return await self.call(method, *args, **kwargs)
+
+        return bound
+
+    async def destroy(self) -> bool:
+        """Close and drop the object on its node."""
+        return await self.node.call("destroy", {"name": self.name})
+
+
+class Controller:
+    """Binds the control-plane ROUTER and tracks nodes, calls and heartbeats."""
+
+    def __init__(
+        self,
+        security: Security | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 10.0,
+        max_message_bytes: int = -1,
+        inline_threshold: int = 256,
+    ):
+        self.security = security or Security(new_secret())
+        self.host, self.port = host, port
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self.max_message_bytes = max_message_bytes
+        self.inline_threshold = inline_threshold
+        self.nodes: dict[str, NodeHandle] = {}
+        self.lost: dict[str, str] = {}
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.dropped = 0
+        self._by_identity: dict[bytes, NodeHandle] = {}
+        self._pending: dict[int, tuple[asyncio.Future, str, str]] = {}
+        self._ids = itertools.count(1)
+        self._node_joined = asyncio.Condition()
+        self._event_handlers: dict[str, list[Callable[[str, Any], Any]]] = {}
+        self._lost_handlers: list[Callable[[str, str], Any]] = []
+        self._tasks: list[asyncio.Task] = []
+        self.address = ""
+
+    # ---- lifetime ---------------------------------------------------------------------------
+    async def __aenter__(self) -> Controller:
+        self.ctx = zmq.asyncio.Context()
+        self.auth = Authenticator(self.ctx, self.security)
+        self.sock = make_socket(
+            self.ctx, zmq.ROUTER, self.security, server=True,
+            max_message_bytes=self.max_message_bytes,
+        )
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.address = bind_tcp(self.sock, self.host, self.port)
+        self._tasks = [
+            asyncio.create_task(self._recv_loop(), name="arl-controller-recv"),
+            asyncio.create_task(self._heartbeat_loop(), name="arl-controller-hb"),
+        ]
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Say bye to every node, fail pending calls, close the socket."""
+        for node in list(self.nodes.values()):
+            if not node.lost:
+                try:
+                    await self._send(node.identity, Message("bye", 0, "bye", "controller closing"))
+                except Exception:
+                    pass
+        await asyncio.sleep(0.05)  # let the byes leave before the socket closes
+        for t in self._tasks:
+            t.cancel()
+        for fut, node, method in self._pending.values():
+            if not fut.done():
+                fut.set_exception(NodeLost(node, method, "controller closed"))
+        self._pending.clear()
+        self.auth.stop()
+        self.sock.close(0)
+        self.ctx.term()
+
+    # ---- nodes ------------------------------------------------------------------------------
+    async def wait_for_nodes(self, n: int, timeout: float = 60.0) -> list[NodeHandle]:
+        """Wait until ``n`` nodes said hello; returns them in arrival order."""
+
+        def enough() -> bool:
+            return len(self.live_nodes()) >= n
+
+        async with self._node_joined:
+            try:
+                await asyncio.wait_for(self._node_joined.wait_for(enough), timeout)
+            except TimeoutError:
+                raise TimeoutError(
+                    f"only {len(self.live_nodes())} of {n} nodes connected to {self.address} "
+                    f"within {timeout}s; check that the nodes were started with this address "
+                    f"and the run secret"
+                ) from None
+        return self.live_nodes()[:n]
+
+    def live_nodes(self) -> list[NodeHandle]:
+        """Nodes that said hello and are not lost, in arrival order."""
+        return [n for n in self.nodes.values() if not n.lost]
+
+    def on_event(self, name: str, handler: Callable[[str, Any], Any]) -> None:
+        """Call ``handler(node_id, data)`` for each event ``name`` a node pushes."""
+        self._event_handlers.setdefault(name, []).append(handler)
+
+    def on_node_lost(self, handler: Callable[[str, str], Any]) -> None:
+        """Call ``handler(node_id, reason)`` when a node is declared lost."""
+        self._lost_handlers.append(handler)
+
+    # ---- calls ------------------------------------------------------------------------------
+    async def call(self, node_id: str, method: str, args: Any, timeout: float | None = None) -> Any:
+        """Send a call to a node and wait for its reply (`RemoteError`, `NodeLost` on failure)."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise KeyError(f"unknown node {node_id!r}; known: {sorted(self.nodes)}")
+        if node.lost:
+            raise NodeLost(node_id, method, node.lost)
+        mid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[mid] = (fut, node_id, _describe(method, args))
+        try:
+            await self._send(node.identity, Message("call", mid, method, args))
+            if timeout is None:
+                return await fut
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._pending.pop(mid, None)
+
+    async def _send(self, identity: bytes, msg: Message) -> None:
+        frames = encode_message(msg, self.inline_threshold)
+        self.bytes_out += sum(memoryview(f).nbytes for f in frames)
+        try:
+            await self.sock.send_multipart([identity, *frames], copy=False)
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                node = self._by_identity.get(identity)
+                raise NodeLost(node.node_id if node else identity.decode(errors="replace"),
+                               msg.method, "not connected") from None
+            raise
+
+    # ---- receive ----------------------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            self.bytes_in += sum(f.buffer.nbytes for f in frames)
+            identity, body = frames[0].bytes, frames[1:]
+            try:
+                msg = decode_message(body)
+            except WireError as e:
+                self.dropped += 1
+                log.warning("malformed message from %r dropped: %s", identity, e)
+                mid = peek_id(body) if body else None
+                if mid is not None:
+                    await self._reply_err(identity, mid, e)
+                continue
+            try:
+                await self._on_message(identity, msg)
+            except Exception as e:  # a handler bug must not take the control plane down
+                log.exception("handling %s from %r failed", msg.op, identity)
+                self.dropped += 1
+                if msg.op == "call":
+                    await self._reply_err(identity, msg.id, e)
+
+    async def _reply_err(self, identity: bytes, mid: int, e: Exception) -> None:
+        from arl.node.daemon import error_payload
+
+        try:
+            await self._send(identity, Message("err", mid, "", error_payload(e)))
+        except Exception:
+            pass
+
+    async def _on_message(self, identity: bytes, msg: Message) -> None:
+        node = self._by_identity.get(identity)
+        if msg.op == "hello":
+            await self._on_hello(identity, msg)
+            return
+        if node is None:
+            self.dropped += 1
+            raise WireError(f"{msg.op!r} from a peer that has not said hello")
+        node.last_seen = time.monotonic()
+        if msg.op in ("ok", "err"):
+            pending = self._pending.get(msg.id)
+            if pending is None:
+                return  # a reply to a call that timed out or was cancelled
+            fut, node_id, method = pending
+            if fut.done():
+                return
+            if msg.op == "ok":
+                fut.set_result(msg.args)
+            else:
+                a = msg.args if isinstance(msg.args, dict) else {}
+                fut.set_exception(RemoteError(
+                    node_id, method, str(a.get("type", "Error")), str(a.get("message", "")),
+                    str(a.get("traceback", "")),
+                ))
+        elif msg.op == "hb":
+            if isinstance(msg.args, dict):
+                node.stats = msg.args
+        elif msg.op == "event":
+            for handler in self._event_handlers.get(msg.method, []):
+                res = handler(node.node_id, msg.args)
+                if asyncio.iscoroutine(res):
+                    await res
+        elif msg.op == "bye":
+            self._declare_lost(node, f"node exited ({msg.args})")
+        else:
+            raise WireError(f"controller does not accept op {msg.op!r}")
+
+    async def _on_hello(self, identity: bytes, msg: Message) -> None:
+        info = msg.args if isinstance(msg.args, dict) else {}
+        node_id = str(info.get("node_id") or identity.decode(errors="replace"))
+        old = self.nodes.get(node_id)
+        if old is not None and not old.lost:
+            raise WireError(f"a second node says it is {node_id!r}; node ids must be unique")
+        node = NodeHandle(self, node_id, identity, info)
+        self.nodes[node_id] = node
+        self._by_identity[identity] = node
+        await self._send(identity, Message("ok", msg.id, "hello", {"node_id": node_id}))
+        log.info("node %s joined from %s pid %s", node_id, info.get("host"), info.get("pid"))
+        async with self._node_joined:
+            self._node_joined.notify_all()
+
+    # ---- liveness ---------------------------------------------------------------------------
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            now = time.monotonic()
+            for node in list(self.nodes.values()):
+                if node.lost:
+                    continue
+                if now - node.last_seen > self.heartbeat_timeout:
+                    self._declare_lost(node, f"no heartbeat for {now - node.last_seen:.1f}s")
+                    continue
+                try:
+                    await self._send(node.identity, Message("hb", 0, "hb", None))
+                except NodeLost:
+                    pass
+
+    def _declare_lost(self, node: NodeHandle, why: str) -> None:
+        if node.lost:
+            return
+        node.lost = why
+        self.lost[node.node_id] = why
+        # An orderly exit (bye) is news; a silent node is an error.
+        (log.info if why.startswith("node exited") else log.error)(
+            "node %s lost: %s", node.node_id, why
+        )
+        for mid, (fut, node_id, method) in list(self._pending.items()):
+            if node_id == node.node_id and not fut.done():
+                fut.set_exception(NodeLost(node_id, method, why))
+        for handler in self._lost_handlers:
+            handler(node.node_id, why)
+
+
+def _describe(method: str, args: Any) -> str:
+    """A short name for a call, used in NodeLost and RemoteError messages."""
+    if method == "call" and isinstance(args, dict):
+        return f"{args.get('obj')}.{args.get('method')}"
+    if method == "create" and isinstance(args, dict):
+        return f"create {args.get('target')}"
+    return method

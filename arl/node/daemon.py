@@ -1,0 +1,408 @@
+"""The `arl-node` daemon: one per GPU or CPU slot (DESIGN §1).
+
+It connects a DEALER to the controller's ROUTER, says hello, and then serves calls:
+
+- ``create``  {name, target: "pkg.module:Attr", args, kwargs} builds an object by import path
+  (only under the allowed module prefixes, checked before anything is imported);
+- ``call``    {obj, method, args, kwargs} runs a method of such an object: coroutine methods on
+  the node's event loop, blocking ones on the node's single engine thread (so torch and NCCL
+  calls keep one order);
+- ``destroy`` {name} closes and drops an object; ``ping`` answers with the node's info.
+
+It exits on ``bye``, on SIGTERM/SIGINT, and when the controller has been silent for
+``heartbeat_timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import importlib
+import inspect
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from arl.wire.codec import Message, WireError, decode_message, encode_message, peek_id
+from arl.wire.sockets import Authenticator, Security, bind_tcp, host_id, make_socket
+
+log = logging.getLogger("arl.node")
+
+DEFAULT_PREFIXES = ("arl.",)
+
+
+class ImportRefused(PermissionError):
+    """An import string outside the node's allowed module prefixes."""
+
+
+def resolve_import(target: str, allowed_prefixes: tuple[str, ...]) -> Any:
+    """Import ``pkg.module:Attr`` if ``pkg.module`` is under an allowed prefix."""
+    module, sep, attr = target.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"import string {target!r} must look like 'package.module:Name'")
+    if not any(module == p.rstrip(".") or module.startswith(p) for p in allowed_prefixes):
+        raise ImportRefused(
+            f"refusing to import {target!r}: module {module!r} is not under the allowed "
+            f"prefixes {list(allowed_prefixes)}; add its prefix with --allow-import "
+            f"(cluster.allowed_import_prefixes)"
+        )
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def error_payload(exc: BaseException) -> dict:
+    """The ``err`` reply body: the exception's type, message and formatted traceback."""
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+    }
+
+
+class NodeDaemon:
+    """One node process: serves the controller's calls until told or forced to stop."""
+
+    def __init__(
+        self,
+        controller: str,
+        security: Security,
+        *,
+        node_id: str,
+        allowed_prefixes: tuple[str, ...] = DEFAULT_PREFIXES,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 10.0,
+        data_host: str = "127.0.0.1",
+        max_message_bytes: int = -1,
+    ):
+        self.controller = controller
+        self.security = security
+        self.node_id = node_id
+        self.allowed_prefixes = tuple(allowed_prefixes)
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self.data_host = data_host
+        self.max_message_bytes = max_message_bytes
+        self.objects: dict[str, Any] = {}
+        self.engine_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._tasks: set[asyncio.Task] = set()
+        self._stop = asyncio.Event()
+        self._last_heard = time.monotonic()
+        self.exit_reason = ""
+        self.services: list[Any] = []  # objects with async close(), ended with the node
+
+    # ---- info -------------------------------------------------------------------------------
+    def info(self) -> dict:
+        """What the node tells the controller about itself."""
+        import torch  # local: the daemon starts fast when torch is not needed for the hello
+
+        cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return {
+            "node_id": self.node_id,
+            "host": socket.gethostname(),
+            "host_id": host_id(),
+            "data_addr": self.data_addr,
+            "device": "cuda" if cuda else "cpu",
+            "n_gpus": cuda,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+            "pid": os.getpid(),
+        }
+
+    def stats(self) -> dict:
+        """Gauges sent with every heartbeat (extended by the shard store)."""
+        out: dict[str, Any] = {"n_objects": len(self.objects)}
+        for svc in self.services:
+            if hasattr(svc, "stats"):
+                out.update(svc.stats())
+        return out
+
+    # ---- main loop --------------------------------------------------------------------------
+    async def run(self) -> str:
+        """Serve until stopped; returns why the node stopped."""
+        self.ctx = zmq.asyncio.Context()
+        self.auth = Authenticator(self.ctx, self.security)
+        self.sock = make_socket(
+            self.ctx,
+            zmq.DEALER,
+            self.security,
+            server=False,
+            max_message_bytes=self.max_message_bytes,
+        )
+        self.sock.setsockopt(zmq.ROUTING_ID, self.node_id.encode())
+        self.data_sock = make_socket(
+            self.ctx,
+            zmq.ROUTER,
+            self.security,
+            server=True,
+            max_message_bytes=self.max_message_bytes,
+        )
+        self.data_addr = bind_tcp(self.data_sock, self.data_host)
+        self.sock.connect(self.controller)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self.stop, f"signal {sig.name}")
+            except (NotImplementedError, RuntimeError):  # not the main thread
+                pass
+        await self._start_services()
+        await self._send(Message("hello", 0, "hello", self.info()))
+        recv = asyncio.create_task(self._recv_loop())
+        hb = asyncio.create_task(self._heartbeat_loop())
+        try:
+            await self._stop.wait()
+        finally:
+            recv.cancel()
+            hb.cancel()
+            await self._shutdown()
+        return self.exit_reason
+
+    async def _start_services(self) -> None:
+        """Hook for the shard store and data plane (kept apart from the control plane)."""
+        from arl.node.services import start_services
+
+        self.services = await start_services(self)
+
+    def stop(self, reason: str = "stopped") -> None:
+        """Ask the node to stop (idempotent)."""
+        if not self._stop.is_set():
+            self.exit_reason = reason
+            log.info("node %s stopping: %s", self.node_id, reason)
+            self._stop.set()
+
+    async def _shutdown(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        for name, obj in list(self.objects.items()):
+            await self._close_object(name, obj)
+        self.objects.clear()
+        for svc in self.services:
+            try:
+                await svc.close()
+            except Exception:
+                log.exception("closing %s failed", svc)
+        try:
+            await asyncio.wait_for(self._send(Message("bye", 0, "bye", self.exit_reason)), 1.0)
+        except Exception:
+            pass
+        self.engine_thread.shutdown(wait=False, cancel_futures=True)
+        self.auth.stop()
+        self.sock.close(0)
+        self.data_sock.close(0)
+        self.ctx.term()
+
+    async def _close_object(self, name: str, obj: Any) -> None:
+        close = getattr(obj, "aclose", None) or getattr(obj, "close", None)
+        if close is None:
+            return
+        try:
+            if inspect.iscoroutinefunction(close):
+                await asyncio.wait_for(close(), 10)
+            else:
+                await asyncio.wait_for(
+                    asyncio.get_running_loop().run_in_executor(self.engine_thread, close), 10
+                )
+        except Exception:
+            log.exception("closing object %s failed", name)
+
+    async def _send(self, msg: Message) -> None:
+        await self.sock.send_multipart(encode_message(msg), copy=False)
+
+    async def emit(self, event: str, data: Any) -> None:
+        """Push an event to the controller without being asked."""
+        await self._send(Message("event", 0, event, data))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            if time.monotonic() - self._last_heard > self.heartbeat_timeout:
+                self.stop(f"controller silent for more than {self.heartbeat_timeout}s")
+                return
+            await self._send(Message("hb", 0, "hb", self.stats()))
+
+    async def _recv_loop(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            self._last_heard = time.monotonic()
+            try:
+                msg = decode_message(frames)
+            except WireError as e:
+                log.warning("malformed message from controller dropped: %s", e)
+                mid = peek_id(frames)
+                if mid is not None:
+                    await self._send(Message("err", mid, "", error_payload(e)))
+                continue
+            if msg.op == "bye":
+                self.stop("controller said bye")
+                return
+            if msg.op == "hb" or msg.op == "ok":
+                continue
+            if msg.op != "call":
+                if msg.op == "err":
+                    log.error("controller refused us: %s", (msg.args or {}).get("message"))
+                    self.stop("refused by controller")
+                    return
+                await self._send(
+                    Message(
+                        "err",
+                        msg.id,
+                        "",
+                        error_payload(
+                            WireError(f"a node accepts call, hb and bye, not {msg.op!r}")
+                        ),
+                    )
+                )
+                continue
+            task = asyncio.create_task(self._handle(msg))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    # ---- calls ------------------------------------------------------------------------------
+    async def _handle(self, msg: Message) -> None:
+        try:
+            result = await self.dispatch(msg.method, msg.args if msg.args is not None else {})
+            reply = Message("ok", msg.id, msg.method, result)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            reply = Message("err", msg.id, msg.method, error_payload(e))
+        try:
+            await self._send(reply)
+        except (TypeError, WireError) as e:  # a result that cannot travel
+            await self._send(Message("err", msg.id, msg.method, error_payload(e)))
+
+    async def dispatch(self, method: str, a: Any) -> Any:
+        """Run one control-plane call and return its (wire-encodable) result."""
+        if not isinstance(a, dict):
+            raise WireError(f"call args must be a map, got {type(a).__name__}")
+        if method == "ping":
+            return {**self.info(), **self.stats()}
+        if method == "create":
+            return await self._create(
+                a["name"], a["target"], a.get("args", []), a.get("kwargs", {})
+            )
+        if method == "call":
+            return await self._call(a["obj"], a["method"], a.get("args", []), a.get("kwargs", {}))
+        if method == "destroy":
+            obj = self.objects.pop(a["name"], None)
+            if obj is not None:
+                await self._close_object(a["name"], obj)
+            return obj is not None
+        raise ValueError(f"unknown node method {method!r}; expected ping, create, call, destroy")
+
+    async def _create(self, name: str, target: str, args: list, kwargs: dict) -> str:
+        if name in self.objects:
+            raise ValueError(f"object {name!r} already exists on node {self.node_id}")
+        factory = resolve_import(target, self.allowed_prefixes)
+        args, kwargs = await self._materialize(args, kwargs)
+        if inspect.iscoroutinefunction(factory):
+            obj = await factory(*args, **kwargs)
+        else:
+            loop = asyncio.get_running_loop()
+            obj = await loop.run_in_executor(self.engine_thread, lambda: factory(*args, **kwargs))
+        if hasattr(obj, "attach_node"):
+            obj.attach_node(self)  # lets rollout workflows reach the shard store and events
+        self.objects[name] = obj
+        return name
+
+    async def _call(self, name: str, method: str, args: list, kwargs: dict) -> Any:
+        try:
+            obj = self.objects[name]
+        except KeyError:
+            raise KeyError(
+                f"no object {name!r} on node {self.node_id}; known: {sorted(self.objects)}"
+            ) from None
+        if method.startswith("_"):
+            raise PermissionError(f"method {method!r} is private and cannot be called remotely")
+        fn = getattr(obj, method)
+        args, kwargs = await self._materialize(args, kwargs)
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args, **kwargs)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.engine_thread, lambda: fn(*args, **kwargs))
+
+    async def _materialize(self, args: list, kwargs: dict) -> tuple[list, dict]:
+        """Replace RTensor arguments by the shards they name, pulled from their owners."""
+        for svc in self.services:
+            if hasattr(svc, "materialize"):
+                return await svc.materialize(args, kwargs)
+        return args, kwargs
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="arl-node", description=__doc__.split("\n")[0])
+    p.add_argument("--controller", required=True, help="controller address, tcp://HOST:PORT")
+    p.add_argument(
+        "--secret-file", default="", help="0600 file with the run secret (default: $ARL_SECRET)"
+    )
+    p.add_argument(
+        "--node-id", default="", help="unique name (default: slurm-<procid> or <host>-<pid>)"
+    )
+    p.add_argument(
+        "--allow-import",
+        action="append",
+        default=None,
+        metavar="PREFIX",
+        help="module prefix the node may import engines/workflows from (repeatable; default: arl.)",
+    )
+    p.add_argument("--curve", action="store_true", help="use CURVE encryption")
+    p.add_argument("--heartbeat-interval", type=float, default=1.0)
+    p.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    p.add_argument(
+        "--data-host",
+        default="",
+        help="address to bind the data plane on "
+        "(default: 127.0.0.1 for a loopback controller, else this host's name)",
+    )
+    p.add_argument("--max-message-bytes", type=int, default=-1)
+    p.add_argument("--log-level", default=os.environ.get("ARL_LOG_LEVEL", "WARNING"))
+    return p.parse_args(argv)
+
+
+def default_node_id() -> str:
+    """slurm-<procid> under srun, else <host>-<pid>."""
+    if "SLURM_PROCID" in os.environ and "SLURM_JOB_ID" in os.environ:
+        return f"slurm{os.environ['SLURM_JOB_ID']}-{os.environ['SLURM_PROCID']}"
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `arl-node` console script."""
+    a = _parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    security = Security.from_env(a.secret_file, curve=a.curve)
+    os.environ.pop("ARL_SECRET", None)  # engines and their subprocesses do not need it
+    loopback = "127.0.0.1" in a.controller or "localhost" in a.controller
+    data_host = a.data_host or ("127.0.0.1" if loopback else socket.gethostname())
+    node = NodeDaemon(
+        a.controller,
+        security,
+        node_id=a.node_id or default_node_id(),
+        allowed_prefixes=tuple(a.allow_import or DEFAULT_PREFIXES),
+        heartbeat_interval=a.heartbeat_interval,
+        heartbeat_timeout=a.heartbeat_timeout,
+        data_host=data_host,
+        max_message_bytes=a.max_message_bytes,
+    )
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    reason = runner(node.run())
+    log.info("node %s exited: %s", node.node_id, reason)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
