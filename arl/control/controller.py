@@ -71,8 +71,9 @@ class NodeHandle:
     async def create(self, target: str, *args: Any, name: str = "", **kwargs: Any) -> RemoteObject:
         """Build ``target`` ("pkg.module:Class") on the node; returns a handle to the object."""
         name = name or f"{target.rpartition(':')[2]}-{next(self._names)}"
-        await self.call("create", {"name": name, "target": target, "args": list(args),
-                                   "kwargs": kwargs})
+        await self.call(
+            "create", {"name": name, "target": target, "args": list(args), "kwargs": kwargs}
+        )
         return RemoteObject(self, name)
 
 
@@ -144,7 +145,10 @@ class Controller:
         self.ctx = zmq.asyncio.Context()
         self.auth = Authenticator(self.ctx, self.security)
         self.sock = make_socket(
-            self.ctx, zmq.ROUTER, self.security, server=True,
+            self.ctx,
+            zmq.ROUTER,
+            self.security,
+            server=True,
             max_message_bytes=self.max_message_bytes,
         )
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -234,8 +238,11 @@ class Controller:
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH:
                 node = self._by_identity.get(identity)
-                raise NodeLost(node.node_id if node else identity.decode(errors="replace"),
-                               msg.method, "not connected") from None
+                raise NodeLost(
+                    node.node_id if node else identity.decode(errors="replace"),
+                    msg.method,
+                    "not connected",
+                ) from None
             raise
 
     # ---- receive ----------------------------------------------------------------------------
@@ -289,10 +296,15 @@ class Controller:
                 fut.set_result(msg.args)
             else:
                 a = msg.args if isinstance(msg.args, dict) else {}
-                fut.set_exception(RemoteError(
-                    node_id, method, str(a.get("type", "Error")), str(a.get("message", "")),
-                    str(a.get("traceback", "")),
-                ))
+                fut.set_exception(
+                    RemoteError(
+                        node_id,
+                        method,
+                        str(a.get("type", "Error")),
+                        str(a.get("message", "")),
+                        str(a.get("traceback", "")),
+                    )
+                )
         elif msg.op == "hb":
             if isinstance(msg.args, dict):
                 node.stats = msg.args
@@ -345,7 +357,7 @@ class Controller:
         (log.info if why.startswith("node exited") else log.error)(
             "node %s lost: %s", node.node_id, why
         )
-        for mid, (fut, node_id, method) in list(self._pending.items()):
+        for fut, node_id, method in list(self._pending.values()):
             if node_id == node.node_id and not fut.done():
                 fut.set_exception(NodeLost(node_id, method, why))
         for handler in self._lost_handlers:

@@ -100,10 +100,14 @@ class LocalNodes:
         try:
             for node_id, extra_env in zip(self.node_ids, self.node_envs, strict=True):
                 env = {**os.environ, **extra_env, SECRET_ENV: self.security.secret}
-                cmd = node_command(self.controller, node_id=node_id,
-                                   curve=self.security.curve, **self.command_kw)
+                cmd = node_command(
+                    self.controller, node_id=node_id, curve=self.security.curve, **self.command_kw
+                )
                 proc = await asyncio.create_subprocess_exec(
-                    *cmd, env=env, preexec_fn=_die_with_parent, start_new_session=True,
+                    *cmd,
+                    env=env,
+                    preexec_fn=_die_with_parent,
+                    start_new_session=True,
                     stdin=asyncio.subprocess.DEVNULL,
                 )
                 self.procs.append(proc)
@@ -139,19 +143,29 @@ class SlurmNodes:
         **command_kw: Any,
     ):
         if shutil.which("srun") is None:
-            raise RuntimeError("cluster.launcher=slurm needs `srun` on PATH (run inside an "
-                               "allocation: salloc/sbatch), or use cluster.launcher=attach")
+            raise RuntimeError(
+                "cluster.launcher=slurm needs `srun` on PATH (run inside an "
+                "allocation: salloc/sbatch), or use cluster.launcher=attach"
+            )
         self.controller, self.security, self.n_nodes = controller, security, n_nodes
         self.srun_args, self.grace, self.command_kw = list(srun_args), grace, command_kw
         self.proc: asyncio.subprocess.Process | None = None
 
     async def __aenter__(self) -> SlurmNodes:
         node_cmd = node_command(self.controller, curve=self.security.curve, **self.command_kw)
-        cmd = ["srun", f"--ntasks={self.n_nodes}", "--kill-on-bad-exit=1", *self.srun_args,
-               *node_cmd]
+        cmd = [
+            "srun",
+            f"--ntasks={self.n_nodes}",
+            "--kill-on-bad-exit=1",
+            *self.srun_args,
+            *node_cmd,
+        ]
         env = {**os.environ, SECRET_ENV: self.security.secret}
         self.proc = await asyncio.create_subprocess_exec(
-            *cmd, env=env, preexec_fn=_die_with_parent, start_new_session=True,
+            *cmd,
+            env=env,
+            preexec_fn=_die_with_parent,
+            start_new_session=True,
             stdin=asyncio.subprocess.DEVNULL,
         )
         return self

@@ -14,8 +14,17 @@ from arl.control.controller import NodeLost, RemoteError
 from tests.support.cluster import local_cluster
 
 DTYPES = [
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
 ]
 
 
@@ -26,8 +35,9 @@ def _sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     if dtype.is_floating_point or dtype.is_complex:
         return (torch.randn(shape, generator=g, dtype=torch.float64) * 1e3).to(dtype)
     info = torch.iinfo(dtype)
-    return torch.randint(max(info.min, -(2**31)), min(info.max, 2**31 - 1), shape, generator=g,
-                         dtype=torch.int64).to(dtype)
+    return torch.randint(
+        max(info.min, -(2**31)), min(info.max, 2**31 - 1), shape, generator=g, dtype=torch.int64
+    ).to(dtype)
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -96,7 +106,9 @@ def test_imports_outside_allowed_prefixes_are_refused_before_import():
 def test_kill_9_of_a_node_gives_node_lost_within_timeout():
     async def main():
         async with local_cluster(2, heartbeat_interval=0.2, heartbeat_timeout=2.0) as (
-            ctl, nodes, _procs,
+            ctl,
+            nodes,
+            _procs,
         ):
             victim = nodes[0]
             echo = await victim.create("tests.support.objects:Echo")
@@ -127,14 +139,14 @@ def test_node_exits_when_controller_is_gone(tmp_path):
     pidfile = tmp_path / "pids"
     script.write_text(
         "import asyncio, sys\n"
-        "sys.path.insert(0, %r)\n"
+        f"sys.path.insert(0, {os.getcwd()!r})\n"
         "from tests.support.cluster import local_cluster\n"
         "async def main():\n"
         "    async with local_cluster(2, heartbeat_interval=0.2, heartbeat_timeout=2.0)"
         " as (c, n, p):\n"
-        "        open(%r, 'w').write(' '.join(map(str, p.pids)))\n"
+        f"        open({str(pidfile)!r}, 'w').write(' '.join(map(str, p.pids)))\n"
         "        await asyncio.sleep(600)\n"
-        "asyncio.run(main())\n" % (os.getcwd(), str(pidfile))
+        "asyncio.run(main())\n"
     )
     proc = subprocess.Popen([sys.executable, str(script)])
     try:

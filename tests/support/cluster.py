@@ -27,8 +27,12 @@ async def local_cluster(
         security, heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout
     ) as ctl:
         async with LocalNodes(
-            ctl.address, security, [node_env] * n, allowed_prefixes=allow,
-            heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout,
+            ctl.address,
+            security,
+            [node_env] * n,
+            allowed_prefixes=allow,
+            heartbeat_interval=heartbeat_interval,
+            heartbeat_timeout=heartbeat_timeout,
         ) as procs:
             nodes = await ctl.wait_for_nodes(n, timeout=90)
             yield ctl, nodes, procs

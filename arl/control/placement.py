@@ -1,0 +1,135 @@
+"""The placement plan: which node runs what, on which device.
+
+Rollout nodes come first (one per inference replica, holding ``tp`` GPUs), then train nodes (one
+per FSDP rank, one GPU each). GPUs are one pool numbered 0..n_gpus-1: rollout takes the first
+ones, training the next. When there are too few GPUs for both but enough for the larger group,
+both groups share the same GPUs (``colocated``). Without GPUs every node runs on the CPU.
+"""
+
+from typing import Literal
+
+import attrs
+
+from arl.config import Backend, Config, ConfigError, parse_backend
+
+
+@attrs.frozen(kw_only=True)
+class NodeSpec:
+    """One node daemon of the plan.
+
+    ``device`` is the first physical device the node uses ("cpu" or "cuda:N"); ``gpu_ids`` lists
+    all of them (a tensor-parallel inference replica holds several), for CUDA_VISIBLE_DEVICES.
+    """
+
+    node_id: int
+    role: Literal["rollout", "train"]
+    rank: int  # within its role's group
+    device: str
+    engine: str
+    dp_rank: int
+    tp_size: int
+    gpu_ids: tuple[int, ...] = ()
+    colocated: bool = False
+
+
+def plan_placement(cfg: Config, n_gpus: int) -> list[NodeSpec]:
+    """Place the rollout replicas and train ranks of ``cfg`` on ``n_gpus`` GPUs (0: CPU only)."""
+    rollout = parse_backend(cfg.rollout.backend, "rollout")
+    train = parse_backend(cfg.actor.backend, "train")
+    if n_gpus < 0:
+        raise ConfigError(f"n_gpus={n_gpus}: must be >= 0")
+    if n_gpus == 0:
+        if cfg.weight_sync.mode in ("ipc", "nccl"):
+            raise ConfigError(
+                f"weight_sync.mode={cfg.weight_sync.mode} needs GPUs and none are available; "
+                "use weight_sync.mode=auto, zmq or disk on CPU"
+            )
+        return _nodes(rollout, train, rollout_gpus=None, train_gpus=None, colocated=False)
+
+    need_rollout, need_train = rollout.world_size, train.world_size
+    if n_gpus >= need_rollout + need_train:
+        gpus = list(range(n_gpus))
+        return _nodes(
+            rollout, train, gpus[:need_rollout], gpus[need_rollout:][:need_train], colocated=False
+        )
+    if n_gpus >= max(need_rollout, need_train):
+        return _nodes(
+            rollout, train, list(range(need_rollout)), list(range(need_train)), colocated=True
+        )
+    raise ConfigError(
+        f"not enough GPUs: rollout.backend={cfg.rollout.backend} needs {need_rollout} and "
+        f"actor.backend={cfg.actor.backend} needs {need_train} ({need_rollout + need_train} "
+        f"separate, or {max(need_rollout, need_train)} shared), but {n_gpus} "
+        f"{'is' if n_gpus == 1 else 'are'} available; lower d/t in the backend strings, "
+        "or set cluster.n_gpus=0 to run on CPU"
+    )
+
+
+def _nodes(
+    rollout: Backend,
+    train: Backend,
+    rollout_gpus: list[int] | None,
+    train_gpus: list[int] | None,
+    colocated: bool,
+) -> list[NodeSpec]:
+    nodes: list[NodeSpec] = []
+    for replica in range(rollout.dp):
+        gpus = (
+            ()
+            if rollout_gpus is None
+            else tuple(rollout_gpus[replica * rollout.tp :][: rollout.tp])
+        )
+        nodes.append(
+            NodeSpec(
+                node_id=len(nodes),
+                role="rollout",
+                rank=replica,
+                device=f"cuda:{gpus[0]}" if gpus else "cpu",
+                engine=rollout.engine,
+                dp_rank=replica,
+                tp_size=rollout.tp,
+                gpu_ids=gpus,
+                colocated=colocated,
+            )
+        )
+    for rank in range(train.dp):
+        gpus = () if train_gpus is None else (train_gpus[rank],)
+        nodes.append(
+            NodeSpec(
+                node_id=len(nodes),
+                role="train",
+                rank=rank,
+                device=f"cuda:{gpus[0]}" if gpus else "cpu",
+                engine=train.engine,
+                dp_rank=rank,
+                tp_size=1,
+                gpu_ids=gpus,
+                colocated=colocated,
+            )
+        )
+    return nodes
+
+
+def format_plan(plan: list[NodeSpec]) -> str:
+    """The plan as a text table, one row per node."""
+    header = ("node", "role", "rank", "engine", "dp_rank", "tp", "device", "gpus", "colocated")
+    rows = [header] + [
+        (
+            str(n.node_id),
+            n.role,
+            str(n.rank),
+            n.engine,
+            str(n.dp_rank),
+            str(n.tp_size),
+            n.device,
+            ",".join(map(str, n.gpu_ids)) or "-",
+            "yes" if n.colocated else "no",
+        )
+        for n in plan
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,130 @@
+"""``python -m arl.launch RECIPE [key=value ...] [--dry-run] [--help]``: run a recipe.
+
+A recipe is a Python file defining ``make_config() -> Config``. Overrides are applied, the config
+is validated and placed on this machine's devices before any process starts, the resolved config
+is saved as ``config.yaml`` in the run directory, and the training loop runs.
+"""
+
+import asyncio
+import importlib.util
+import logging
+import sys
+from pathlib import Path
+
+from arl.config import Config, ConfigError, apply_overrides, help_text, save_resolved, to_yaml
+from arl.control.placement import format_plan, plan_placement
+
+USAGE = """\
+usage: python -m arl.launch RECIPE [key=value ...] [--dry-run] [--help]
+
+  RECIPE      a Python file defining make_config() -> arl.config.Config (e.g. recipes/gsm8k.py)
+  key=value   override a config field, e.g. actor.lr=1e-5 rollout.backend=sglang:d2
+              lists: cluster.srun_args=[a,b]; optional fields: evaluator.freq_steps=none
+  --dry-run   print the resolved config and the placement plan, then exit
+  --help      print this text and every config field (with RECIPE: the recipe's values)
+"""
+
+
+def load_recipe(path: str) -> Config:
+    """Import the recipe file at ``path`` and return its ``make_config()``."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(
+            f"recipe {path!r} not found (expected a Python file such as recipes/gsm8k.py)"
+        )
+    spec = importlib.util.spec_from_file_location(f"arl_recipe_{file.stem}", file)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"recipe {path!r} cannot be imported; is it a .py file?")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    make_config = getattr(module, "make_config", None)
+    if not callable(make_config):
+        raise ConfigError(f"recipe {path!r} defines no make_config() function returning a Config")
+    cfg = make_config()
+    if not isinstance(cfg, Config):
+        raise ConfigError(
+            f"recipe {path!r}: make_config() returned {type(cfg).__name__}, not arl.config.Config"
+        )
+    return cfg
+
+
+def detect_gpus(cfg: Config) -> int:
+    """GPUs to place nodes on: cluster.n_gpus, or what torch sees."""
+    if cfg.cluster.n_gpus is not None:
+        return cfg.cluster.n_gpus
+    import torch  # imported only here: it is slow to import and --help should not wait for it
+
+    return torch.cuda.device_count()
+
+
+def _run(cfg: Config) -> int:
+    try:
+        from arl.trainer import run
+    except ModuleNotFoundError as e:
+        if e.name != "arl.trainer":
+            raise
+        print("the training loop is not built yet; use --dry-run", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+    except ModuleNotFoundError:
+        asyncio.run(run(cfg))
+    else:
+        uvloop.run(run(cfg))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The launcher; returns the process exit status."""
+    args = sys.argv[1:] if argv is None else argv
+    flags = {a for a in args if a.startswith("-")}
+    positional = [a for a in args if not a.startswith("-")]
+    unknown = flags - {"--dry-run", "--help", "-h"}
+    if unknown:
+        print(f"unknown option {sorted(unknown)[0]}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    recipe, overrides = (positional[0], positional[1:]) if positional else (None, [])
+    if recipe is not None and "=" in recipe and not recipe.endswith(".py"):
+        recipe, overrides = None, positional  # overrides given without a recipe
+    try:
+        if flags & {"--help", "-h"}:
+            cfg = load_recipe(recipe) if recipe else None
+            print(USAGE)
+            print("config fields: key (type, " + ("recipe value" if cfg else "default") + "): help")
+            print(help_text(cfg))
+            return 0
+        if recipe is None:
+            print(f"a recipe file is required\n\n{USAGE}", file=sys.stderr)
+            return 2
+        cfg = apply_overrides(load_recipe(recipe), overrides)
+        cfg.validate()
+        n_gpus = detect_gpus(cfg)
+        plan = plan_placement(cfg, n_gpus)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if "--dry-run" in flags:
+        print("# resolved config")
+        print(to_yaml(cfg))
+        where = f"{n_gpus} GPU{'s' * (n_gpus != 1)}" if n_gpus else "CPU"
+        print(f"# placement plan: {len(plan)} nodes on {where}, launcher {cfg.cluster.launcher}")
+        print(format_plan(plan))
+        return 0
+    logging.basicConfig(
+        level=cfg.experiment.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    cfg.run_path.mkdir(parents=True, exist_ok=True)
+    saved = save_resolved(cfg, cfg.run_path / "config.yaml")
+    logging.getLogger("arl.launch").info("resolved config saved to %s", saved)
+    try:
+        return _run(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

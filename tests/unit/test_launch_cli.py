@@ -1,0 +1,145 @@
+"""``python -m arl.launch`` as a user runs it: exit codes, output, errors without tracebacks."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from arl.config import from_yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def launch(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "arl.launch", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _resolved_yaml(stdout: str) -> str:
+    return stdout.split("# resolved config\n", 1)[1].split("# placement plan", 1)[0]
+
+
+def test_dry_run_on_this_machine_exits_0():
+    r = launch("recipes/gsm8k.py", "--dry-run", "actor.lr=1e-5")  # GPUs detected with torch
+    assert r.returncode == 0, r.stderr
+    assert from_yaml(_resolved_yaml(r.stdout)).actor.lr == 1e-5
+    assert "# placement plan: 2 nodes on " in r.stdout
+
+
+def test_dry_run_prints_resolved_config_and_plan():
+    r = launch("recipes/gsm8k.py", "--dry-run", "actor.lr=1e-5", "cluster.n_gpus=0")
+    assert r.returncode == 0, r.stderr
+    cfg = from_yaml(_resolved_yaml(r.stdout))
+    assert cfg.actor.lr == 1e-5
+    assert cfg.experiment.name == "gsm8k-grpo"
+    assert "# placement plan: 2 nodes on CPU" in r.stdout
+    assert "rollout  0     hf" in r.stdout and "train    0     fsdp" in r.stdout
+
+
+def test_dry_run_plan_follows_backend_overrides():
+    r = launch(
+        "recipes/gsm8k.py",
+        "--dry-run",
+        "rollout.backend=sglang:d2t2",
+        "actor.backend=fsdp:d4",
+        "cluster.n_gpus=8",
+    )
+    assert r.returncode == 0, r.stderr
+    assert "6 nodes on 8 GPUs" in r.stdout
+    assert "cuda:2  2,3" in r.stdout
+
+
+def test_recipe_defaults():
+    r = launch("recipes/gsm8k.py", "--dry-run", "cluster.n_gpus=0")
+    cfg = from_yaml(_resolved_yaml(r.stdout))
+    cfg.validate()
+    assert (cfg.gconfig.n_samples, cfg.rollout.max_head_offpolicyness) == (4, 2)
+    assert cfg.actor.use_decoupled_loss and cfg.actor.eps_clip == 0.4
+    assert (cfg.actor.reward_bias, cfg.actor.reward_scaling) == (-0.5, 10.0)
+    assert (cfg.actor.reward_norm_mean, cfg.actor.reward_norm_std) == ("group", "group")
+    assert (cfg.actor.adv_norm_mean, cfg.actor.adv_norm_std) == ("batch", "batch")
+    local = REPO.parent / "shared" / "data" / "gsm8k"
+    expected = str(local.resolve()) if local.is_dir() else "openai/gsm8k"
+    assert cfg.data.path == expected
+
+
+def test_unknown_key_exits_2_with_suggestion_and_no_traceback():
+    r = launch("recipes/gsm8k.py", "--dry-run", "actor.lrr=1e-5")
+    assert r.returncode == 2
+    assert "unknown config key 'actor.lrr'; did you mean 'actor.lr'?" in r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+def test_wrong_type_and_invalid_value_exit_2():
+    r = launch("recipes/gsm8k.py", "--dry-run", "data.batch_size=many")
+    assert r.returncode == 2
+    assert "'data.batch_size'" in r.stderr and "'many'" in r.stderr and "expected int" in r.stderr
+    r = launch("recipes/gsm8k.py", "--dry-run", "actor.eps_clip=0")
+    assert r.returncode == 2 and "actor.eps_clip=0.0: must be > 0" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_unsupported_backend_and_too_few_gpus_exit_2():
+    r = launch("recipes/gsm8k.py", "--dry-run", "rollout.backend=hf:t2")
+    assert r.returncode == 2 and "hf supports only data parallelism" in r.stderr
+    r = launch("recipes/gsm8k.py", "--dry-run", "rollout.backend=vllm:d4", "cluster.n_gpus=2")
+    assert r.returncode == 2 and "not enough GPUs" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_help_lists_fields_with_and_without_recipe():
+    for args in (["--help"], ["recipes/gsm8k.py", "--help"], ["-h"]):
+        r = launch(*args)
+        assert r.returncode == 0
+        assert r.stdout.startswith("usage: python -m arl.launch RECIPE")
+        assert "actor.eps_clip (float, 0.4):" in r.stdout
+        assert "weight_sync.bucket_bytes (int, 268435456):" in r.stdout
+    assert "experiment.name (str, gsm8k-grpo)" in launch("recipes/gsm8k.py", "--help").stdout
+
+
+def test_missing_recipe_or_make_config_is_a_clear_error(tmp_path):
+    r = launch("recipes/nope.py", "--dry-run")
+    assert r.returncode == 2 and "recipe 'recipes/nope.py' not found" in r.stderr
+    bad = tmp_path / "bad.py"
+    bad.write_text("X = 1\n")
+    r = launch(str(bad), "--dry-run")
+    assert r.returncode == 2 and "defines no make_config()" in r.stderr
+    wrong = tmp_path / "wrong.py"
+    wrong.write_text("def make_config():\n    return {}\n")
+    r = launch(str(wrong), "--dry-run")
+    assert r.returncode == 2 and "returned dict, not arl.config.Config" in r.stderr
+    for args in ([], ["actor.lr=1"]):
+        r = launch(*args)
+        assert r.returncode == 2 and "a recipe file is required" in r.stderr
+
+
+def test_bad_arguments_exit_2():
+    r = launch("recipes/gsm8k.py", "--dry-runn")
+    assert r.returncode == 2 and "unknown option --dry-runn" in r.stderr
+    r = launch("recipes/gsm8k.py", "--dry-run", "actor.lr")
+    assert r.returncode == 2 and "not key=value" in r.stderr
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("arl.trainer") is not None, reason="the training loop exists"
+)
+def test_real_run_saves_config_then_says_the_trainer_is_missing(tmp_path):
+    r = launch(
+        "recipes/gsm8k.py",
+        f"experiment.run_dir={tmp_path}",
+        "experiment.trial=t1",
+        "cluster.n_gpus=0",
+    )
+    saved = tmp_path / "gsm8k-grpo" / "t1" / "config.yaml"
+    assert saved.is_file()
+    assert yaml.safe_load(saved.read_text())["experiment"]["trial"] == "t1"
+    assert r.returncode == 2
+    assert "the training loop is not built yet; use --dry-run" in r.stderr
