@@ -179,6 +179,10 @@ class DataConfig:
     """The prompt dataset."""
 
     path: str = _f("openai/gsm8k", "a hub dataset id or a local directory of JSONL files")
+    loader: str = _f(
+        "arl.data.gsm8k:load_gsm8k",
+        "import string of (path, split, on_bad_row) -> (rows, stats); rows carry 'messages'",
+    )
     train_split: str = _f("train", "split (file stem) used for training")
     eval_split: str = _f("test", "split (file stem) used for evaluation")
     batch_size: int = _f(4, "prompt groups per training step")
@@ -198,6 +202,9 @@ class WeightSyncConfig:
         "auto", "auto: pick by placement; zmq/disk work anywhere; ipc/nccl need GPUs"
     )
     bucket_bytes: int = _f(256 * MiB, "bytes of parameters sent per bucket")
+    verify: bool = _f(
+        False, "after each sync compare engine and trainer weight checksums (slow; for tests)"
+    )
 
 
 @attrs.define(kw_only=True)

@@ -1,0 +1,139 @@
+"""GSM8K: rows from a local ``{split}.jsonl`` directory (or a hub id via `datasets`), the prompt.
+
+A row is the source object (keys ``question`` and ``answer``, the answer ending in
+``#### <number>``) plus ``messages``, the chat prompt from `build_messages`. Malformed rows are
+skipped and counted in `LoadStats`, or refused with their file and line (``on_bad_row="error"``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+PROMPT_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+class DatasetError(ValueError):
+    """A dataset could not be found or a row is malformed (with where and what to do)."""
+
+
+@attrs.define
+class LoadStats:
+    """What loading kept and skipped, with the reasons for skipping."""
+
+    source: str
+    kept: int = 0
+    skipped: int = 0
+    reasons: dict[str, int] = attrs.field(factory=dict)
+
+
+def gsm8k_gold(answer: str) -> str:
+    """The gold number of a GSM8K answer: the text after the last ``####``, commas removed."""
+    _, sep, tail = answer.rpartition("####")
+    gold = tail.strip().replace(",", "")
+    if not sep or not gold:
+        raise DatasetError(f"GSM8K answer has no '#### <number>' at its end: {answer[-80:]!r}")
+    return gold
+
+
+def build_messages(question: str) -> list[dict[str, str]]:
+    """Chat messages asking for step-by-step reasoning and the final answer in ``\\boxed{}``."""
+    return [{"role": "user", "content": f"{question.strip()}\n{PROMPT_SUFFIX}"}]
+
+
+def load_gsm8k(
+    path: str, split: str, on_bad_row: str = "skip"
+) -> tuple[list[dict[str, Any]], LoadStats]:
+    """Load ``split`` from a directory of ``{split}.jsonl`` or, if not a directory, a hub id.
+
+    ``on_bad_row`` is ``"skip"`` (count and drop malformed rows) or ``"error"`` (raise
+    `DatasetError` naming the file and line).
+    """
+    if on_bad_row not in ("skip", "error"):
+        raise ValueError(f"on_bad_row={on_bad_row!r}: use 'skip' or 'error'")
+    local = Path(path).expanduser()
+    if local.is_dir():
+        file = local / f"{split}.jsonl"
+        if not file.is_file():
+            found = sorted(p.stem for p in local.glob("*.jsonl"))
+            raise DatasetError(f"no {file.name} in {local} (splits there: {found or 'none'})")
+        with open(file, encoding="utf-8") as fh:
+            return _validate(_jsonl_records(fh), str(file), on_bad_row)
+    if local.exists():
+        raise DatasetError(f"{path} is a file; pass the directory that holds {split}.jsonl")
+    return _validate(_hub_records(path, split), f"hub:{path}[{split}]", on_bad_row)
+
+
+def _jsonl_records(lines: Iterable[str]) -> Iterable[tuple[int, Any]]:
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            yield lineno, json.loads(line)
+        except json.JSONDecodeError as exc:
+            yield lineno, _BadJson(str(exc))
+
+
+@attrs.frozen
+class _BadJson:
+    error: str
+
+
+def _hub_records(hub_id: str, split: str) -> Iterable[tuple[int, Any]]:
+    if importlib.util.find_spec("datasets") is None:
+        raise DatasetError(
+            f"{hub_id!r} is not a local directory, and loading it from the hub needs the "
+            "`datasets` package, which is not installed; pass a local directory holding "
+            f"{split}.jsonl (keys question, answer) or `pip install datasets`"
+        )
+    import datasets
+
+    # openai/gsm8k has two configs; "main" is the standard one.
+    config = "main" if hub_id == "openai/gsm8k" else None
+    ds = datasets.load_dataset(hub_id, config, split=split)
+    return enumerate(ds, start=1)
+
+
+def _row_problem(record: Any) -> str | None:
+    """Why ``record`` is not a usable GSM8K row, or None if it is."""
+    if isinstance(record, _BadJson):
+        return f"bad JSON ({record.error})"
+    if not isinstance(record, dict):
+        return f"not a JSON object ({type(record).__name__})"
+    for key in ("question", "answer"):
+        if key not in record:
+            return f"missing key {key!r}"
+        if not isinstance(record[key], str) or not record[key].strip():
+            return f"empty or non-text {key!r}"
+    try:
+        gsm8k_gold(record["answer"])
+    except DatasetError:
+        return "answer has no '#### <number>'"
+    return None
+
+
+def _validate(
+    records: Iterable[tuple[int, Any]], source: str, on_bad_row: str
+) -> tuple[list[dict[str, Any]], LoadStats]:
+    rows: list[dict[str, Any]] = []
+    reasons: Counter[str] = Counter()
+    for lineno, record in records:
+        problem = _row_problem(record)
+        if problem is not None:
+            if on_bad_row == "error":
+                raise DatasetError(
+                    f"{source}:{lineno}: {problem}; fix the row or load with on_bad_row='skip'"
+                )
+            reasons[problem.split(" (")[0]] += 1
+            continue
+        rows.append({**record, "messages": build_messages(record["question"])})
+    stats = LoadStats(source, kept=len(rows), skipped=sum(reasons.values()), reasons=dict(reasons))
+    if not rows:
+        raise DatasetError(f"{source}: no usable rows ({stats.skipped} malformed: {stats.reasons})")
+    return rows, stats

@@ -1,0 +1,91 @@
+"""`StatefulLoader`: batches of rows in shuffled epochs, resumable at the exact position."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+
+class StatefulLoader:
+    """Endless batches over ``rows``; each epoch is a fresh permutation derived from (seed, epoch).
+
+    A batch never spans two epochs; the last partial batch of an epoch is dropped when
+    ``drop_last`` (the default). ``state_dict()`` / ``load_state_dict()`` resume exactly.
+    """
+
+    def __init__(
+        self,
+        rows: Sequence[Any],
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size}: must be at least 1")
+        if not rows or (drop_last and len(rows) < batch_size):
+            raise ValueError(
+                f"{len(rows)} rows cannot fill one batch of {batch_size}; lower batch_size "
+                "or pass drop_last=False"
+            )
+        self.rows = rows
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        self._pos = 0  # index into the current epoch's order of the next row
+        self._order = self._epoch_order(0)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Number of batches in each epoch."""
+        full, rest = divmod(len(self.rows), self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def next_batch(self) -> list[Any]:
+        """The next batch, starting a new epoch when this one has no batch left."""
+        remaining = len(self._order) - self._pos
+        if remaining == 0 or (self.drop_last and remaining < self.batch_size):
+            self.epoch += 1
+            self._pos = 0
+            self._order = self._epoch_order(self.epoch)
+        idx = self._order[self._pos : self._pos + self.batch_size]
+        self._pos += len(idx)
+        return [self.rows[i] for i in idx]
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, int | bool]:
+        """The position (epoch, row offset) plus what must match on restore."""
+        return {
+            "epoch": self.epoch,
+            "pos": self._pos,
+            "seed": self.seed,
+            "n_rows": len(self.rows),
+            "batch_size": self.batch_size,
+            "shuffle": self.shuffle,
+        }
+
+    def load_state_dict(self, state: dict[str, int | bool]) -> None:
+        """Resume at ``state``'s position; refuses a state from different rows or settings."""
+        mine = self.state_dict()
+        for key in ("seed", "n_rows", "batch_size", "shuffle"):
+            if state[key] != mine[key]:
+                raise ValueError(
+                    f"loader state has {key}={state[key]!r} but this loader has {mine[key]!r}; "
+                    "resume with the same data and loader settings"
+                )
+        self.epoch = int(state["epoch"])
+        self._order = self._epoch_order(self.epoch)
+        self._pos = int(state["pos"])
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        if self.shuffle:
+            # A string seed is hashed deterministically (sha512), unlike hash() of a tuple.
+            random.Random(f"arl-loader:{self.seed}:{epoch}").shuffle(order)
+        return order

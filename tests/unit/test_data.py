@@ -1,0 +1,174 @@
+"""GSM8K loading (real file and malformed rows), arith generation, StatefulLoader resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from arl.data.arith import make_arith
+from arl.data.gsm8k import DatasetError, build_messages, gsm8k_gold, load_gsm8k
+from arl.data.loader import StatefulLoader
+
+GSM8K_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "gsm8k"
+needs_gsm8k = pytest.mark.skipif(
+    not (GSM8K_DIR / "test.jsonl").exists(),
+    reason=f"GSM8K not found at {GSM8K_DIR} (../shared/data/gsm8k from the repo root)",
+)
+
+GOOD = {
+    "question": "Tom has 3 apples and buys 1,200 more. How many?",
+    "answer": "3+1200\n#### 1,203",
+}
+
+
+@needs_gsm8k
+def test_load_real_gsm8k_splits():
+    train, train_stats = load_gsm8k(str(GSM8K_DIR), "train")
+    test, test_stats = load_gsm8k(str(GSM8K_DIR), "test")
+    assert (len(train), len(test)) == (7473, 1319)
+    assert train_stats.skipped == test_stats.skipped == 0
+    row = test[0]
+    assert row["question"] and "####" in row["answer"]
+    assert row["messages"] == build_messages(row["question"])
+    assert gsm8k_gold(row["answer"]).lstrip("-").replace(".", "").isdigit()
+
+
+def test_gold_strips_commas_and_needs_marker():
+    assert gsm8k_gold(GOOD["answer"]) == "1203"
+    with pytest.raises(DatasetError, match="no '#### <number>'"):
+        gsm8k_gold("the answer is 5")
+    with pytest.raises(DatasetError):
+        gsm8k_gold("#### ")
+
+
+def test_build_messages_asks_for_boxed_answer():
+    msgs = build_messages("What is 1+1?")
+    assert msgs[0]["role"] == "user"
+    assert msgs[0]["content"].startswith("What is 1+1?")
+    assert "\\boxed{}" in msgs[0]["content"] and "step by step" in msgs[0]["content"]
+
+
+def _write_malformed(tmp_path: Path) -> Path:
+    lines = [
+        json.dumps(GOOD),
+        "{not json",
+        json.dumps({"question": "q only"}),
+        json.dumps({"question": "q", "answer": ""}),
+        json.dumps({"question": "q", "answer": "no marker 5"}),
+        json.dumps(["a", "list"]),
+        "",  # blank lines are not rows
+        json.dumps({"question": "Second?", "answer": "x\n#### 7", "extra": 1}),
+    ]
+    (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
+    return tmp_path
+
+
+def test_malformed_rows_are_skipped_and_counted(tmp_path):
+    rows, stats = load_gsm8k(str(_write_malformed(tmp_path)), "train")
+    assert [r["question"] for r in rows] == [GOOD["question"], "Second?"]
+    assert rows[1]["extra"] == 1
+    assert (stats.kept, stats.skipped) == (2, 5)
+    assert stats.reasons == {
+        "bad JSON": 1,
+        "missing key 'answer'": 1,
+        "empty or non-text 'answer'": 1,
+        "answer has no '#### <number>'": 1,
+        "not a JSON object": 1,
+    }
+
+
+def test_malformed_row_refused_with_file_and_line(tmp_path):
+    directory = _write_malformed(tmp_path)
+    with pytest.raises(DatasetError, match=r"train\.jsonl:2: bad JSON"):
+        load_gsm8k(str(directory), "train", on_bad_row="error")
+
+
+def test_missing_split_file_and_path_errors(tmp_path):
+    _write_malformed(tmp_path)
+    with pytest.raises(DatasetError, match=r"no test\.jsonl .*\['train'\]"):
+        load_gsm8k(str(tmp_path), "test")
+    with pytest.raises(DatasetError, match="is a file"):
+        load_gsm8k(str(tmp_path / "train.jsonl"), "train")
+    with pytest.raises(ValueError, match="on_bad_row='maybe'"):
+        load_gsm8k(str(tmp_path), "train", on_bad_row="maybe")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "train.jsonl").write_text("{bad\n")
+    with pytest.raises(DatasetError, match="no usable rows"):
+        load_gsm8k(str(tmp_path / "empty"), "train")
+
+
+def test_hub_id_without_datasets_says_to_pass_a_directory(monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "datasets" else real_find_spec(name, *a),
+    )
+    with pytest.raises(DatasetError, match="pass a local directory"):
+        load_gsm8k("openai/gsm8k", "train")
+
+
+def test_arith_rows_and_disjoint_splits():
+    train = make_arith(2000, seed=1, split="train")
+    test = make_arith(144, seed=2, split="test")
+    for row in train[:50] + test[:50]:
+        a, b = (int(x) for x in row["question"][len("What is ") : -1].split(" * "))
+        assert 10 <= a <= 99 and 2 <= b <= 9
+        assert row["answer"] == str(a * b)
+        assert "\\boxed{}" in row["messages"][0]["content"]
+    train_q = {r["question"] for r in train}
+    test_q = {r["question"] for r in test}
+    assert len(test_q) == 144, "the test split should use every test pair once"
+    assert len(train_q) == 576, "2000 train rows cycle through all 576 train pairs"
+    assert not train_q & test_q
+    assert make_arith(10, seed=3, split="train") == make_arith(10, seed=3, split="train")
+    assert make_arith(10, seed=3, split="train") != make_arith(10, seed=4, split="train")
+    with pytest.raises(ValueError, match="split='val'"):
+        make_arith(1, 0, "val")
+
+
+def test_loader_epochs_are_permutations():
+    rows = list(range(10))
+    loader = StatefulLoader(rows, batch_size=3, shuffle=True, seed=5)
+    assert loader.batches_per_epoch == 3
+    epoch0 = [loader.next_batch() for _ in range(3)]
+    epoch1 = [loader.next_batch() for _ in range(3)]
+    assert loader.epoch == 1
+    flat0, flat1 = sum(epoch0, []), sum(epoch1, [])
+    assert len(set(flat0)) == 9 and len(set(flat1)) == 9  # one row dropped per epoch
+    assert flat0 != flat1
+    unshuffled = StatefulLoader(rows, batch_size=4, shuffle=False, drop_last=False)
+    assert [unshuffled.next_batch() for _ in range(4)] == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+        [8, 9],
+        [0, 1, 2, 3],
+    ]
+
+
+def test_loader_resume_gives_the_same_batch_order():
+    rows = [{"i": i} for i in range(23)]
+    straight = StatefulLoader(rows, batch_size=4, seed=11)
+    expected = [straight.next_batch() for _ in range(20)]
+
+    first = StatefulLoader(rows, batch_size=4, seed=11)
+    for _ in range(7):  # crosses an epoch boundary (5 batches per epoch)
+        first.next_batch()
+    state = first.state_dict()
+    resumed = StatefulLoader(rows, batch_size=4, seed=11)
+    resumed.load_state_dict(state)
+    assert [resumed.next_batch() for _ in range(13)] == expected[7:]
+
+    with pytest.raises(ValueError, match="seed=11 but this loader has 12"):
+        StatefulLoader(rows, batch_size=4, seed=12).load_state_dict(state)
+
+
+def test_loader_rejects_impossible_batches():
+    with pytest.raises(ValueError, match="cannot fill one batch"):
+        StatefulLoader([1, 2], batch_size=3)
+    with pytest.raises(ValueError, match="batch_size=0"):
+        StatefulLoader([1, 2], batch_size=0)
