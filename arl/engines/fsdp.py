@@ -1,0 +1,596 @@
+"""One FSDP2 training rank: log-probs, advantages and the PPO/GRPO update of a HF causal LM.
+
+`FSDPEngine` is a plain object with blocking methods; the node daemon runs them on one engine
+thread. Every method that touches the model or the batch statistics is collective: all ranks
+of the process group call it, in the same order, with their own share of the batch (see
+`arl.algo.packing.concat_shards` for the batch layout).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from arl.algo.advantages import (
+    gae_advantages,
+    grpo_advantages,
+    normalize_advantages,
+    token_rewards,
+)
+from arl.algo.losses import kl_estimate, ppo_loss, token_logp_entropy
+from arl.algo.packing import (
+    agree_count,
+    balanced_partition,
+    ffd_bins,
+    micro_batches,
+    pack_rows,
+    select_rows,
+    seq_lengths,
+    unpack_values,
+)
+from arl.algo.rewards import normalize_rewards, transform_rewards
+from arl.algo.schedule import lr_at
+from arl.config import ActorConfig, ConfigError
+
+log = logging.getLogger(__name__)
+
+Layout = Literal["packed", "padded"]
+# Files copied next to saved weights so that the export loads as a complete HF model folder.
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+def forward_logp(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float,
+    layout: Layout = "packed",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob and entropy [n, L] of right-padded rows, 0 at position 0 and on padding.
+
+    ``packed`` runs the model on one row holding every sequence (position_ids restart per
+    sequence, so attention stays within a sequence); ``padded`` runs the rows as they are.
+    """
+    if layout == "packed":
+        row = pack_rows(input_ids, attention_mask)
+        logits = model(
+            input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False
+        ).logits
+        logp, ent = token_logp_entropy(logits, row.input_ids, row.position_ids, temperature)
+        return unpack_values(logp[0], attention_mask), unpack_values(ent[0], attention_mask)
+    if layout != "padded":
+        raise ValueError(f"layout must be 'packed' or 'padded', got {layout!r}")
+    pos = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False
+    ).logits
+    logp, ent = token_logp_entropy(logits, input_ids, pos, temperature)
+    mask = attention_mask.bool()
+    return torch.where(mask, logp, 0.0), torch.where(mask, ent, 0.0)
+
+
+def _compute_dtype(cfg: ActorConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+
+
+def _load_sharded(
+    path: str,
+    mesh: DeviceMesh,
+    compute_dtype: torch.dtype,
+    *,
+    trainable: bool,
+    gradient_checkpointing: bool,
+) -> torch.nn.Module:
+    """Load a HF causal LM and shard each decoder layer and the root with FSDP2.
+
+    The trainable model keeps fp32 master weights and computes in ``compute_dtype`` with fp32
+    gradient reduction; the frozen reference is loaded directly in ``compute_dtype``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from arl.engines.model import resolve_model
+
+    local = resolve_model(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        local, dtype=torch.float32 if trainable else compute_dtype, attn_implementation="sdpa"
+    )
+    model.config.use_cache = False
+    if gradient_checkpointing and trainable:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not trainable:
+        model.requires_grad_(False)
+        model.eval()
+    mp = None
+    if compute_dtype != torch.float32 and trainable:
+        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    kwargs = {"mesh": mesh} | ({"mp_policy": mp} if mp is not None else {})
+    # HF lists its decoder-layer classes in _no_split_modules: one FSDP unit per layer bounds
+    # the all-gathered memory to one layer at a time.
+    layer_names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in layer_names]
+    if not layers:
+        raise RuntimeError(
+            f"found no decoder layers in {type(model).__name__} (its _no_split_modules is "
+            f"{sorted(layer_names)}); FSDP needs a HF causal LM with per-layer modules"
+        )
+    for layer in layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class FSDPEngine:
+    """One data-parallel training rank of the policy (and the frozen reference when kl_ctl > 0).
+
+    ``total_steps`` (optimizer steps of the run) is needed by the linear and cosine schedules.
+    """
+
+    def __init__(
+        self,
+        cfg: ActorConfig,
+        *,
+        rank: int,
+        world_size: int,
+        init_method: str,
+        device: str = "cpu",
+        seed: int = 1,
+        ref_path: str | None = None,
+        total_steps: int | None = None,
+    ) -> None:
+        _check_config(cfg, total_steps)
+        self.cfg = cfg
+        self.rank, self.world_size = rank, world_size
+        self.total_steps = total_steps
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend, init_method=init_method, rank=rank, world_size=world_size
+        )
+        torch.manual_seed(seed)
+        self.mesh = init_device_mesh(self.device.type, (world_size,))
+        self.compute_dtype = _compute_dtype(cfg, self.device)
+        self.model = _load_sharded(
+            cfg.path,
+            self.mesh,
+            self.compute_dtype,
+            trainable=True,
+            gradient_checkpointing=cfg.gradient_checkpointing,
+        )
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=cfg.lr,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+        )
+        self.ref: torch.nn.Module | None = None
+        if cfg.kl_ctl > 0:
+            self.ref = _load_sharded(
+                ref_path or cfg.path,
+                self.mesh,
+                self.compute_dtype,
+                trainable=False,
+                gradient_checkpointing=False,
+            )
+        self.source_path = cfg.path
+        self._step = 0
+
+    # ------------------------------------------------------------------ log-probs and advantages
+
+    def compute_logp(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Log-prob [B, L] (float32, CPU) of token t at position t under the current policy."""
+        return self._logp(self.model, batch)
+
+    def compute_ref_logp(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Log-prob [B, L] under the frozen reference model (needs kl_ctl > 0)."""
+        if self.ref is None:
+            raise RuntimeError(
+                "no reference model is loaded: it exists only when actor.kl_ctl > 0 "
+                f"(kl_ctl={self.cfg.kl_ctl})"
+            )
+        return self._logp(self.ref, batch)
+
+    @torch.no_grad()
+    def _logp(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+        for rows in self._micro_batches(batch):
+            if not rows:
+                self._dummy_pass(model, backward=False)
+                continue
+            mb = self._to_device(select_rows(batch, rows), ("input_ids", "attention_mask"))
+            logp, _ = forward_logp(
+                model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature
+            )
+            out[rows, : logp.shape[1]] = logp.float().cpu()
+        return out
+
+    def compute_advantages(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The batch plus ``advantages`` [B, L] (and ``norm_rewards`` [B]).
+
+        Rewards are transformed and normalised (group or batch over all ranks); without KL and
+        with discount = lambda = 1 this is GRPO (the normalised reward on every completion
+        token), otherwise GAE with V = 0 over token rewards carrying -kl_ctl * KL(pi || ref).
+        Advantages are then normalised as cfg says.
+        """
+        cfg = self.cfg
+        mask = batch["loss_mask"].to(self.device).bool()
+        group_ids = batch["group_ids"].to(self.device)
+        r = transform_rewards(
+            batch["rewards"].to(self.device).float(),
+            bias=cfg.reward_bias,
+            scaling=cfg.reward_scaling,
+            clip=cfg.reward_clip,
+        )
+        r_hat = normalize_rewards(
+            r,
+            group_ids,
+            mean_level=cfg.reward_norm_mean,
+            std_level=cfg.reward_norm_std,
+            eps=cfg.norm_eps,
+            unbiased=cfg.unbiased_std,
+        )
+        if cfg.kl_ctl == 0 and cfg.discount == 1.0 and cfg.gae_lambda == 1.0:
+            adv = grpo_advantages(r_hat, mask)
+        else:
+            kl = None
+            if cfg.kl_ctl > 0:
+                if "ref_logp" not in batch:
+                    raise KeyError(
+                        f"kl_ctl={cfg.kl_ctl} needs batch['ref_logp']; set it from "
+                        "compute_ref_logp(batch) before compute_advantages"
+                    )
+                policy = batch.get("prox_logp", batch["logprobs"])
+                kl = kl_estimate(policy, batch["ref_logp"], cfg.kl_estimator).to(self.device)
+            tok_r = token_rewards(r_hat, mask, kl, cfg.kl_ctl)
+            adv, _ = gae_advantages(
+                tok_r, torch.zeros_like(tok_r), mask, gamma=cfg.discount, lam=cfg.gae_lambda
+            )
+        adv = normalize_advantages(
+            adv,
+            mask,
+            mean_level=cfg.adv_norm_mean,
+            std_level=cfg.adv_norm_std,
+            group_ids=group_ids,
+            eps=cfg.norm_eps,
+            unbiased=cfg.unbiased_std,
+        )
+        return {**batch, "advantages": adv.float().cpu(), "norm_rewards": r_hat.float().cpu()}
+
+    # ------------------------------------------------------------------ training
+
+    def ppo_update(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        """``ppo_n_minibatches`` optimizer steps over token-balanced mini-batches of the batch.
+
+        Needs ``advantages`` (compute_advantages) and, for the decoupled loss, ``prox_logp``
+        (compute_logp before the update). A non-finite gradient norm skips that step.
+        Returns loss, grad_norm, lr, clip_frac, entropy, approx_kl, kl (to the reference),
+        n_tokens, skipped (steps skipped), and importance-weight stats.
+        """
+        _require(batch, ("input_ids", "attention_mask", "loss_mask", "logprobs", "advantages"))
+        if self.cfg.use_decoupled_loss:
+            _require(
+                batch,
+                ("prox_logp",),
+                "use_decoupled_loss needs batch['prox_logp'] = "
+                "compute_logp(batch) computed before the update",
+            )
+        parts = balanced_partition(seq_lengths(batch), self.cfg.ppo_n_minibatches)
+        results = [self._train_minibatch(select_rows(batch, rows)) for rows in parts]
+        out = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
+        out["skipped"] = float(sum(r["skipped"] for r in results))
+        out["n_tokens"] = float(sum(r["n_tokens"] for r in results))
+        out["lr"] = results[-1]["lr"]
+        for k in ("imp_weight_max", "imp_weight_min"):
+            if k in out:
+                out[k] = (max if k.endswith("max") else min)(r[k] for r in results)
+        return out
+
+    def _train_minibatch(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = self.accumulate_gradients(batch)
+        lr = lr_at(
+            self._step,
+            base_lr=self.cfg.lr,
+            schedule=self.cfg.lr_scheduler,
+            warmup_steps=self.cfg.warmup_steps,
+            total_steps=self.total_steps,
+            min_lr_ratio=self.cfg.min_lr_ratio,
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        grad_norm = self._clip_gradients()
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            log.warning(
+                "rank %d: gradient norm %s is not finite; skipping the step", self.rank, grad_norm
+            )
+        else:
+            self.optimizer.step()
+            self._step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return {**stats, "grad_norm": grad_norm, "lr": lr, "skipped": float(skipped)}
+
+    def accumulate_gradients(
+        self, batch: Mapping[str, torch.Tensor], max_tokens_per_mb: int | None = None
+    ) -> dict[str, float]:
+        """Forward/backward every micro-batch of one mini-batch, adding into ``.grad``.
+
+        The loss of each micro-batch is divided by the mini-batch's global token count and
+        multiplied by the world size (FSDP averages gradients over ranks), so the summed
+        gradient is that of the full mini-batch token-mean loss however it is split.
+        """
+        n_global = float(self._all_sum(torch.tensor([float(batch["loss_mask"].sum())]))[0])
+        keys = _TRAIN_KEYS + tuple(k for k in ("prox_logp", "ref_logp") if k in batch)
+        acc = _StatSums(self.device)
+        bins = self._micro_batches(batch, max_tokens_per_mb)
+        for rows in bins:
+            if not rows:
+                self._dummy_pass(self.model, backward=True)
+                continue
+            mb = self._to_device(select_rows(batch, rows), keys)
+            logp, ent = forward_logp(
+                self.model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature
+            )
+            loss, stats = self._loss(logp, mb, n_global)
+            (loss * self.world_size).backward()
+            kl = None
+            if "ref_logp" in mb:
+                kl = kl_estimate(logp.detach(), mb["ref_logp"], self.cfg.kl_estimator)
+            acc.add(loss.detach(), stats, mb["loss_mask"].bool(), ent.detach(), kl)
+        out = acc.reduce(self._all_sum, self._all_max, n_global)
+        if not self.cfg.use_decoupled_loss:
+            out = {k: v for k, v in out.items() if not k.startswith(("imp_weight", "rejected"))}
+        return out | {"n_micro_batches": float(len(bins))}
+
+    def _loss(
+        self, logp: torch.Tensor, mb: Mapping[str, torch.Tensor], n_tokens: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """`ppo_loss` of one micro-batch with this engine's settings (old = proximal if known)."""
+        cfg = self.cfg
+        return ppo_loss(
+            logp,
+            mb["prox_logp"] if "prox_logp" in mb else mb["logprobs"],
+            mb["advantages"],
+            mb["loss_mask"],
+            eps_clip=cfg.eps_clip,
+            eps_clip_higher=cfg.eps_clip_higher,
+            c_clip=cfg.c_clip,
+            behave_logp=mb["logprobs"] if cfg.use_decoupled_loss else None,
+            imp_weight_cap=cfg.behav_imp_weight_cap,
+            rejection=cfg.rejection,
+            n_tokens=max(n_tokens, 1.0),
+        )
+
+    def _clip_gradients(self) -> float:
+        """Global L2 norm of the gradients (all ranks), clipped to cfg.grad_clip when finite."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        total = _full(torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0))
+        norm = float(total)
+        if math.isfinite(norm):
+            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.grad_clip, total)
+        return norm
+
+    def gradients(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full (unsharded) gradients by parameter name, yielded on rank 0; collective."""
+        for name, p in self.model.named_parameters():
+            if p.grad is None:
+                continue
+            full = _full(p.grad)
+            if self.rank == 0:
+                yield name, full.detach()
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients (after `accumulate_gradients` used on its own)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def eval_loss(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        layout: Layout = "packed",
+        max_tokens_per_mb: int | None = None,
+    ) -> float:
+        """The token-mean PPO loss of the whole batch (all ranks) without touching the weights."""
+        n_global = float(self._all_sum(torch.tensor([float(batch["loss_mask"].sum())]))[0])
+        keys = _TRAIN_KEYS + tuple(k for k in ("prox_logp",) if k in batch)
+        total = torch.zeros(1, dtype=torch.float64)
+        for rows in self._micro_batches(batch, max_tokens_per_mb):
+            if not rows:
+                self._dummy_pass(self.model, backward=False)
+                continue
+            mb = self._to_device(select_rows(batch, rows), keys)
+            logp, _ = forward_logp(
+                self.model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature, layout
+            )
+            total += float(self._loss(logp, mb, n_global)[0])
+        return float(self._all_sum(total)[0])
+
+    # ------------------------------------------------------------------ weights and state
+
+    def state_dict_for_sync(
+        self, dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors by HF name, yielded on rank 0 (on this engine's device); collective:
+        every rank must iterate it to the end, since each tensor is all-gathered."""
+        for name, t in self.model.state_dict().items():
+            full = _full(t).detach()
+            if self.rank == 0:
+                yield name, full if dtype is None else full.to(dtype)
+
+    def save_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
+        """Save the policy as a HF model folder (weights, config, tokenizer files); collective."""
+        state = {name: t.cpu() for name, t in self.state_dict_for_sync(dtype)}
+        if self.rank == 0:
+            out = Path(path)
+            out.mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(out, state_dict=state)
+            src = Path(self.source_path)
+            for fname in _TOKENIZER_FILES:
+                if (src / fname).is_file() and not (out / fname).exists():
+                    shutil.copy2(src / fname, out / fname)
+        dist.barrier()
+
+    def get_step(self) -> int:
+        """Optimizer steps taken (skipped steps do not count); drives the LR schedule."""
+        return self._step
+
+    def set_step(self, step: int) -> None:
+        """Set the optimizer step count, e.g. when resuming from a checkpoint."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        self._step = step
+
+    def destroy(self) -> None:
+        """Release the models and destroy the process group."""
+        self.model = self.ref = self.optimizer = None  # type: ignore[assignment]
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _micro_batches(
+        self, batch: Mapping[str, torch.Tensor], budget: int | None = None
+    ) -> list[list[int]]:
+        """FFD micro-batches of this rank's rows, padded so every rank runs the same number."""
+        lens = seq_lengths(batch)
+        budget = budget or self.cfg.max_tokens_per_mb
+        return micro_batches(lens, budget, agree_count(len(ffd_bins(lens, budget))))
+
+    def _dummy_pass(self, model: torch.nn.Module, *, backward: bool) -> None:
+        """A one-token pass contributing nothing, so FSDP collectives match the other ranks."""
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        logits = model(input_ids=ids, use_cache=False).logits
+        if backward:
+            (logits.float().sum() * 0.0).backward()
+
+    def _to_device(
+        self, batch: Mapping[str, torch.Tensor], keys: tuple[str, ...]
+    ) -> dict[str, torch.Tensor]:
+        return {k: batch[k].to(self.device, non_blocking=True) for k in keys}
+
+    def _all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        dev = t.to(self.device)
+        if self.world_size > 1:
+            dist.all_reduce(dev, op=dist.ReduceOp.SUM)
+        return dev.cpu()
+
+    def _all_max(self, t: torch.Tensor) -> torch.Tensor:
+        dev = t.to(self.device)
+        if self.world_size > 1:
+            dist.all_reduce(dev, op=dist.ReduceOp.MAX)
+        return dev.cpu()
+
+
+def _require(batch: Mapping[str, torch.Tensor], keys: tuple[str, ...], why: str = "") -> None:
+    missing = [k for k in keys if k not in batch]
+    if missing:
+        raise KeyError(
+            f"batch is missing {missing} (has {sorted(batch)})" + (f": {why}" if why else "")
+        )
+
+
+def _check_config(cfg: ActorConfig, total_steps: int | None) -> None:
+    """Fail fast, before any process group or model load, on settings that cannot work."""
+    if cfg.rejection != "none" and not cfg.use_decoupled_loss:
+        raise ConfigError(
+            f"actor.rejection={cfg.rejection!r} bounds the behaviour importance weight of the "
+            "decoupled loss; set actor.use_decoupled_loss=true or actor.rejection=none"
+        )
+    if cfg.rejection != "none" and cfg.behav_imp_weight_cap is None:
+        raise ConfigError(
+            f"actor.rejection={cfg.rejection!r} needs actor.behav_imp_weight_cap (> 1) as bound"
+        )
+    if cfg.behav_imp_weight_cap is not None and cfg.behav_imp_weight_cap <= 1:
+        raise ConfigError(f"actor.behav_imp_weight_cap must be > 1, got {cfg.behav_imp_weight_cap}")
+    if cfg.lr_scheduler != "constant" and (total_steps is None or total_steps <= cfg.warmup_steps):
+        raise ConfigError(
+            f"actor.lr_scheduler={cfg.lr_scheduler!r} needs total_steps (optimizer steps of the "
+            f"run) > actor.warmup_steps={cfg.warmup_steps}; got total_steps={total_steps}"
+        )
+
+
+_TRAIN_KEYS = ("input_ids", "attention_mask", "loss_mask", "advantages", "logprobs")
+
+
+class _StatSums:
+    """Token-weighted sums of micro-batch stats, kept on the device (no per-step host syncs)
+    and reduced over ranks once per mini-batch."""
+
+    def __init__(self, device: torch.device) -> None:
+        # loss, entropy, kl, clip_frac, approx_kl, imp_weight_mean, rejected_frac, kept tokens
+        self.sums = torch.zeros(8, dtype=torch.float64, device=device)
+        self.extremes = torch.full((2,), -math.inf, dtype=torch.float64, device=device)
+
+    def add(
+        self,
+        loss: torch.Tensor,
+        st: dict[str, torch.Tensor],
+        mask: torch.Tensor,
+        entropy: torch.Tensor,
+        kl: torch.Tensor | None,
+    ) -> None:
+        kept = st["n_tokens"].double()
+        zero = torch.zeros((), device=loss.device)
+        self.sums += torch.stack(
+            [
+                loss.double(),
+                torch.where(mask, entropy, 0.0).sum().double(),
+                torch.where(mask, kl, 0.0).sum().double() if kl is not None else zero.double(),
+                st["clip_frac"] * kept,
+                st["approx_kl"] * kept,
+                st.get("imp_weight_mean", zero) * kept,
+                st.get("rejected_frac", zero) * mask.sum(),
+                kept,
+            ]
+        ).double()
+        if "imp_weight_max" in st:
+            w = torch.stack([st["imp_weight_max"], -st["imp_weight_min"]]).double()
+            self.extremes = torch.maximum(self.extremes, w)
+
+    def reduce(self, all_sum: Callable, all_max: Callable, n_tokens: float) -> dict[str, float]:
+        """Global stats: loss summed, entropy/kl per loss token, the rest per kept token."""
+        s = all_sum(self.sums).tolist()
+        e = all_max(self.extremes).tolist()
+        denom, kept = max(n_tokens, 1.0), max(s[7], 1.0)
+        return {
+            "loss": s[0],
+            "entropy": s[1] / denom,
+            "kl": s[2] / denom,
+            "clip_frac": s[3] / kept,
+            "approx_kl": s[4] / kept,
+            "n_tokens": n_tokens,
+            "imp_weight_mean": s[5] / kept,
+            "rejected_frac": s[6] / denom,
+            "imp_weight_max": e[0],
+            "imp_weight_min": -e[1],
+        }
