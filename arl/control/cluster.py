@@ -19,7 +19,7 @@ from arl.config import Config
 from arl.control.controller import Controller, NodeHandle
 from arl.control.launcher import LocalNodes, SlurmNodes
 from arl.control.placement import NodeSpec
-from arl.wire.sockets import SECRET_ENV, Security, new_secret, read_secret_file
+from arl.wire.sockets import SECRET_ENV, Security, new_secret, read_secret_file, routable_host
 
 log = logging.getLogger("arl.cluster")
 
@@ -85,11 +85,18 @@ async def start_cluster(
     """Start (or attach to) the nodes of ``plan`` and yield them by role."""
     security = security or run_security(cfg)
     c = cfg.cluster
+    host = c.controller_host
+    if (
+        c.launcher == "slurm"
+        and host == "127.0.0.1"
+        and os.environ.get("SLURM_JOB_NUM_NODES", "1") != "1"
+    ):
+        host = routable_host()  # nodes on other hosts must reach the controller
     async with AsyncExitStack() as stack:
         ctl = await stack.enter_async_context(
             Controller(
                 security,
-                host=c.controller_host,
+                host=host,
                 port=c.controller_port,
                 heartbeat_interval=c.heartbeat_interval,
                 heartbeat_timeout=c.heartbeat_timeout,

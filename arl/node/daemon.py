@@ -7,7 +7,9 @@ It connects a DEALER to the controller's ROUTER, says hello, and then serves cal
 - ``call``    {obj, method, args, kwargs} runs a method of such an object: coroutine methods on
   the node's event loop, blocking ones on the node's single engine thread (so torch and NCCL
   calls keep one order);
-- ``destroy`` {name} closes and drops an object; ``ping`` answers with the node's info.
+- ``destroy`` {name} closes and drops an object; ``ping`` answers with the node's info;
+- ``free`` {keys} drops shards (owned or pulled copies); ``free_port`` finds a free TCP port
+  on this host (for a torch.distributed rendezvous).
 
 It exits on ``bye``, on SIGTERM/SIGINT, and when the controller has been silent for
 ``heartbeat_timeout`` seconds.
@@ -32,7 +34,14 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from arl.wire.codec import Message, WireError, decode_message, encode_message, peek_id
+from arl.wire.codec import (
+    Message,
+    WireError,
+    check_message_size,
+    decode_message,
+    encode_message,
+    peek_id,
+)
 from arl.wire.sockets import Authenticator, Security, bind_tcp, host_id, make_socket
 
 log = logging.getLogger("arl.node")
@@ -100,6 +109,8 @@ class NodeDaemon:
         self._last_heard = time.monotonic()
         self.exit_reason = ""
         self.services: list[Any] = []  # objects with async close(), ended with the node
+        self.run_id = os.environ.get("ARL_RUN_ID", "arl")
+        self.store: Any = None  # the ShardStore, set by the store service
 
     # ---- info -------------------------------------------------------------------------------
     def info(self) -> dict:
@@ -131,13 +142,10 @@ class NodeDaemon:
         """Serve until stopped; returns why the node stopped."""
         self.ctx = zmq.asyncio.Context()
         self.auth = Authenticator(self.ctx, self.security)
-        self.sock = make_socket(
-            self.ctx,
-            zmq.DEALER,
-            self.security,
-            server=False,
-            max_message_bytes=self.max_message_bytes,
-        )
+        # No ZMQ_MAXMSGSIZE on the control DEALER: a frame over it makes libzmq close the link to
+        # the controller for good (no reconnect after a protocol error) and the node goes deaf.
+        # _recv_loop checks the whole message instead, and answers an oversize call with `err`.
+        self.sock = make_socket(self.ctx, zmq.DEALER, self.security, server=False)
         self.sock.setsockopt(zmq.ROUTING_ID, self.node_id.encode())
         self.data_sock = make_socket(
             self.ctx,
@@ -234,6 +242,7 @@ class NodeDaemon:
             frames = await self.sock.recv_multipart(copy=False)
             self._last_heard = time.monotonic()
             try:
+                check_message_size(frames, self.max_message_bytes)
                 msg = decode_message(frames)
             except WireError as e:
                 log.warning("malformed message from controller dropped: %s", e)
@@ -292,12 +301,22 @@ class NodeDaemon:
             )
         if method == "call":
             return await self._call(a["obj"], a["method"], a.get("args", []), a.get("kwargs", {}))
+        if method == "free":
+            # Owners drop their shards and consumers their pulled copies: one fan-out frees all.
+            return self.store.free(a["keys"]) if self.store is not None else 0
+        if method == "free_port":
+            with socket.socket() as s:
+                s.bind((a.get("host", "0.0.0.0"), 0))
+                return s.getsockname()[1]
         if method == "destroy":
             obj = self.objects.pop(a["name"], None)
             if obj is not None:
                 await self._close_object(a["name"], obj)
             return obj is not None
-        raise ValueError(f"unknown node method {method!r}; expected ping, create, call, destroy")
+        raise ValueError(
+            f"unknown node method {method!r}; expected ping, create, call, destroy, free, "
+            "free_port"
+        )
 
     async def _create(self, name: str, target: str, args: list, kwargs: dict) -> str:
         if name in self.objects:

@@ -4,7 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from arl.node.data_plane import NodeDataPlane
+
 
 async def start_services(node: Any) -> list[Any]:
-    """Start the node's services; each has ``async close()`` and may offer ``stats()``."""
-    return []
+    """Start the node's services; each has ``async close()`` and may offer ``stats()``.
+
+    The data plane serves this node's shard store on the node's bound data ROUTER and pulls
+    the shards named by RTensor arguments of incoming calls (``materialize``).
+    """
+    data_plane = NodeDataPlane.start(
+        run_id=node.run_id,
+        node_id=node.node_id,
+        ctx=node.ctx,
+        security=node.security,
+        socket=node.data_sock,
+    )
+    node.store = data_plane.store
+    return [data_plane]

@@ -14,6 +14,7 @@ Stored shards are immutable: ``get`` returns views of the store's buffer.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import mmap
 import os
@@ -36,6 +37,7 @@ ALIGN = 64  # every tensor starts on a cache line, so any dtype views it without
 _MADV_POPULATE_READ = 22
 _MADV_POPULATE_WRITE = 23
 _libc = ctypes.CDLL(None, use_errno=True)
+_segment_numbers = itertools.count()  # next() on a count is atomic under the GIL
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
@@ -104,7 +106,7 @@ class ShardMeta:
 
 @attrs.define(eq=False)
 class StoredShard:
-    """One held shard: its metadata, the buffer its tensors view, and its shm file if it owns one."""
+    """A held shard: metadata, the buffer its tensors view, and the shm file it owns (if any)."""
 
     meta: ShardMeta
     slots: list[TensorSlot]
@@ -219,7 +221,6 @@ class ShardStore:
         self.shared_memory = shared_memory and os.path.isdir(shm_dir)
         self.shm_dir = shm_dir
         self._pid = os.getpid()
-        self._n = 0
         self._shards: dict[str, StoredShard] = {}
         self._bytes = 0
         self._lock = threading.Lock()
@@ -334,9 +335,8 @@ class ShardStore:
     def _allocate(self, size: int) -> tuple[mmap.mmap, str | None]:
         if not self.shared_memory:
             return mmap.mmap(-1, size), None
-        with self._lock:
-            name = f"arl-{self.run_id}-{self._pid}-{self._n}"
-            self._n += 1
+        # The counter is per process: several stores of one run may share a process.
+        name = f"arl-{self.run_id}-{self._pid}-{next(_segment_numbers)}"
         path = os.path.join(self.shm_dir, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self._paths.add(path)

@@ -1,0 +1,238 @@
+"""`RolloutController`: keeps the rollout nodes busy, within the staleness bound (DESIGN §4.1, §5).
+
+A submit loop acquires a slot from the `StalenessSemaphore`, takes the next prompt from the
+loader and sends it to the rollout node with the fewest groups in flight. A finished group stays
+on its node as a shard; the controller keeps only its `ShardRef` and metadata. The trainer takes
+accepted groups oldest first (in submission order, so batches follow the loader's order and a
+resumed run sees the same batches) with `prepare_batch`; failed and rejected groups are skipped,
+and groups too stale for the current version are dropped or kept by ``stale_policy``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from arl.control.controller import NodeLost, RemoteError, RemoteObject
+from arl.control.rtensor import RTensor, ShardRef
+from arl.control.staleness import StalenessSemaphore, is_stale
+from arl.data.loader import StatefulLoader
+
+log = logging.getLogger("arl.rollout")
+
+
+class RolloutFailed(RuntimeError):
+    """Rollout cannot go on (a node was lost, or every recent group failed)."""
+
+
+@attrs.define
+class Finished:
+    """One accepted prompt group: where its shard is and what the node reported."""
+
+    ref: ShardRef
+    info: dict
+    submitted_version: int
+
+
+@attrs.define
+class RolloutStats:
+    """Counters since the start of the run (or of the last `pop_stats`)."""
+
+    submitted: int = 0
+    accepted: int = 0
+    failed: int = 0
+    rejected: int = 0
+    stale_dropped: int = 0
+    stale_kept: int = 0
+
+
+class RolloutController:
+    """Submits prompt groups to rollout workers while the staleness semaphore allows."""
+
+    def __init__(
+        self,
+        workers: list[RemoteObject],
+        loader: StatefulLoader,
+        semaphore: StalenessSemaphore,
+        *,
+        peers: dict[str, str],
+        free: Callable[[list[ShardRef]], Any],
+        stale_policy: str = "keep",
+        accept: Callable[[dict], bool] | None = None,
+        max_consecutive_failures: int = 16,
+    ):
+        if not workers:
+            raise ValueError("a RolloutController needs at least one rollout worker")
+        self.workers = workers
+        self.loader, self.sem = loader, semaphore
+        self.peers, self.free = peers, free
+        self.stale_policy, self.accept = stale_policy, accept
+        self.max_consecutive_failures = max_consecutive_failures
+        self.stats = RolloutStats()
+        self._inflight = {id(w): 0 for w in workers}
+        # Submission index -> finished group, or None for a failed/rejected one.
+        self._done: dict[int, Finished | None] = {}
+        self._loader_states: dict[int, dict] = {}  # loader position before each submission
+        self._next_take = 0
+        self._accepted_taken = 0  # accepted groups with index < _next_take
+        self._changed = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._loop_task: asyncio.Task | None = None
+        self._error: BaseException | None = None
+        self._failed_event = asyncio.Event()
+        self._consecutive_failures = 0
+        self._next_index = 0
+        self.run_tag = "g"
+
+    # ---- lifetime ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start submitting (idempotent)."""
+        if self._loop_task is None:
+            self._loop_task = asyncio.create_task(self._submit_loop(), name="arl-rollout-submit")
+
+    async def stop(self) -> None:
+        """Stop submitting and cancel the groups in flight."""
+        tasks = [t for t in [self._loop_task, *self._tasks] if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._loop_task = None
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = exc
+            self._failed_event.set()
+
+    def check(self) -> None:
+        """Raise the error that stopped rollout, if any."""
+        if self._error is not None:
+            raise RolloutFailed(str(self._error)) from self._error
+
+    # ---- submission -------------------------------------------------------------------------
+    def _least_loaded(self) -> RemoteObject:
+        return min(self.workers, key=lambda w: self._inflight[id(w)])
+
+    async def _submit_loop(self) -> None:
+        while self._error is None:
+            await self.sem.acquire()
+            index = self._next_index
+            self._next_index += 1
+            self._loader_states[index] = self.loader.state_dict()
+            row = self.loader.next_batch()[0]
+            worker = self._least_loaded()
+            key = f"{self.run_tag}{index}"
+            self._inflight[id(worker)] += 1
+            self.stats.submitted += 1
+            task = asyncio.create_task(self._run_one(worker, index, key, row, self.sem.version))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _run_one(
+        self, worker: RemoteObject, index: int, key: str, row: dict, version: int
+    ) -> None:
+        accepted = False
+        result: Finished | None = None
+        try:
+            info = await worker.run_group(key, row)
+            self._consecutive_failures = 0
+            ref = ShardRef.from_meta(worker.node.node_id, info["meta"], info["group_size"])
+            if self.accept is not None and not self.accept(info):
+                self.stats.rejected += 1
+                await self.free([ref])
+                return
+            accepted = True
+            self.stats.accepted += 1
+            result = Finished(ref, info, version)
+        except NodeLost as e:
+            self._fail(e)
+        except RemoteError as e:
+            self.stats.failed += 1
+            self._consecutive_failures += 1
+            log.warning(
+                "rollout of %s on %s failed: %s: %s",
+                key,
+                worker.node.node_id,
+                e.type_name,
+                e.remote_message,
+            )
+            if self._consecutive_failures >= self.max_consecutive_failures:
+                self._fail(
+                    RuntimeError(
+                        f"{self._consecutive_failures} rollouts failed in a row; the last, on node "
+                        f"{worker.node.node_id}: {e.type_name}: {e.remote_message}"
+                    )
+                )
+        finally:
+            self._inflight[id(worker)] -= 1
+            self._done[index] = result
+            self._changed.set()
+            self.sem.release(accepted)
+
+    # ---- consumption ------------------------------------------------------------------------
+    async def prepare_batch(self, batch_size: int, version: int) -> tuple[RTensor, list[dict]]:
+        """Wait for ``batch_size`` accepted groups (oldest first) fit for training at ``version``.
+
+        A group whose oldest token is more than eta versions behind ``version`` is dropped (its
+        shard freed, and a replacement awaited) or kept, by ``stale_policy``.
+        """
+        taken: list[Finished] = []
+        eta = self.sem.max_staleness
+        while len(taken) < batch_size:
+            self.check()
+            if self._next_take not in self._done:
+                self._changed.clear()
+                fail = asyncio.ensure_future(self._failed_event.wait())
+                changed = asyncio.ensure_future(self._changed.wait())
+                await asyncio.wait({fail, changed}, return_when=asyncio.FIRST_COMPLETED)
+                fail.cancel()
+                changed.cancel()
+                continue
+            item = self._done.pop(self._next_take)
+            self._loader_states.pop(self._next_take, None)
+            self._next_take += 1
+            if item is None:
+                continue
+            self._accepted_taken += 1
+            oldest = item.info["min_version"]
+            if oldest >= 0 and is_stale(oldest, version, eta):
+                if self.stale_policy == "drop":
+                    self.stats.stale_dropped += 1
+                    await self.free([item.ref])
+                    continue
+                self.stats.stale_kept += 1
+            taken.append(item)
+        return RTensor([t.ref for t in taken], peers=self.peers), [t.info for t in taken]
+
+    # ---- weight sync ------------------------------------------------------------------------
+    async def pause(self) -> None:
+        """Interrupt generation on every worker (in-flight groups resume later)."""
+        await asyncio.gather(*(w.pause() for w in self.workers))
+
+    async def resume(self, version: int) -> None:
+        """Stamp new tokens with ``version``, resume generation, widen the semaphore."""
+        await asyncio.gather(*(w.set_version(version) for w in self.workers))
+        await asyncio.gather(*(w.resume() for w in self.workers))
+        self.sem.set_version(version)
+
+    # ---- recovery ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Where a resumed run restarts: the loader position of the first group not yet taken.
+
+        Groups submitted after it (running, or finished but not taken) are generated again, so
+        the resumed run trains the same batches in the same order.
+        """
+        loader = self._loader_states.get(self._next_take, self.loader.state_dict())
+        # Groups accepted but not taken are lost with the run: count only the taken ones.
+        sem = {**self.sem.state_dict(), "accepted": self._accepted_taken}
+        return {"loader": loader, "sem": sem, "next_index": self._next_take}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` saved, before `start()`."""
+        self.loader.load_state_dict(state["loader"])
+        self.sem.load_state_dict(state["sem"])
+        self._next_index = self._next_take = int(state["next_index"])
+        self._accepted_taken = int(state["sem"]["accepted"])

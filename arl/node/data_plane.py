@@ -1,0 +1,479 @@
+"""The data plane: nodes pull shards from each other, never through the controller (DESIGN §3).
+
+Every node serves its shard store on a bound ROUTER (``DataPlaneServer``) and pulls from other
+nodes through one DEALER per owner (``DataPlaneClient``). Messages are arl wire messages:
+
+- ``hello``: the client learns which node and which host it reached (once per connection).
+- ``call pull {keys, same_host}``: one ``ok`` carrying, per key, the shard's metadata and tensor
+  slots, then ``chunks`` messages ``ok chunk {i, parts}`` whose raw frames are slices of the
+  shards' buffers (``parts`` says which shard and offset each frame fills). Shards the client
+  can map (same host, kept in shared memory) carry their segment name instead and are not sent.
+- an unknown key is answered with ``err`` naming the key and the node.
+
+Chunk frames are zero-copy views of the owner's buffers, so the owner queues a whole reply at
+once; TCP back-pressure from the client's receive high-water mark paces it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import mmap
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import zmq
+import zmq.asyncio
+
+from arl.control.rtensor import RTensor, ShardRef, is_wire_rtensor
+from arl.node.shard_store import (
+    ShardMeta,
+    ShardNotFound,
+    ShardStore,
+    StoredShard,
+    TensorSlot,
+    map_segment,
+    sweep_orphans,
+)
+from arl.wire.codec import Message, WireError, decode_message, encode_message, peek_id
+from arl.wire.sockets import Security, host_id, make_socket
+
+log = logging.getLogger(__name__)
+
+# Measured with `python -m arl.bench rtensor --chunk-mib ...` (see the report in the README):
+# small enough that the client copies one chunk while the next is in flight, large enough
+# that per-message costs vanish.
+DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_TIMEOUT = 30.0
+_RECV_QUEUE = 16  # messages
+
+
+class ShardUnavailable(RuntimeError):
+    """A shard could not be pulled: its owner is gone, silent, or does not hold it."""
+
+    def __init__(self, node: str, key: str, reason: str):
+        self.node, self.key, self.reason = node, key, reason
+        super().__init__(f"shard {key!r} on node {node!r} is unavailable: {reason}")
+
+
+def _error(msg_id: int, exc_type: str, message: str, **extra: Any) -> list[Any]:
+    body = {"type": exc_type, "message": message, "traceback": "", **extra}
+    return encode_message(Message("err", msg_id, "pull", body))
+
+
+def plan_chunks(sizes: Sequence[int], chunk_bytes: int) -> list[list[list[int]]]:
+    """Split buffers of ``sizes`` into messages of about ``chunk_bytes``.
+
+    Each message is a list of parts ``[buffer_index, offset, nbytes]``; small buffers share a
+    message, large ones span several.
+    """
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    chunks: list[list[list[int]]] = []
+    cur: list[list[int]] = []
+    room = chunk_bytes
+    for idx, size in enumerate(sizes):
+        off = 0
+        while off < size:
+            n = min(room, size - off)
+            cur.append([idx, off, n])
+            off += n
+            room -= n
+            if room == 0:
+                chunks.append(cur)
+                cur, room = [], chunk_bytes
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+# ---- server -------------------------------------------------------------------------------------
+class DataPlaneServer:
+    """Serves one store's shards on a bound ROUTER socket, as an asyncio task it owns."""
+
+    def __init__(
+        self,
+        store: ShardStore,
+        socket: zmq.asyncio.Socket,
+        *,
+        node_id: str | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ):
+        self.store = store
+        self.socket = socket
+        self.node_id = node_id or store.node_id
+        self.chunk_bytes = chunk_bytes
+        self.host_id = host_id()
+        # Chunk frames reference the store's buffers, so queueing a whole reply costs no memory;
+        # a finite HWM would make the ROUTER drop chunks silently.
+        socket.setsockopt(zmq.SNDHWM, 0)
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> asyncio.Task:
+        """Start serving on the running loop; ``close()`` ends it."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._serve(), name=f"data-plane-{self.node_id}")
+        return self._task
+
+    async def close(self) -> None:
+        """Stop serving (the socket stays open: its creator closes it)."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def _serve(self) -> None:
+        while True:
+            frames = await self.socket.recv_multipart(copy=False)
+            ident, body = frames[0], frames[1:]
+            try:
+                msg = decode_message(body)
+            except WireError as e:
+                log.warning("node %s: malformed data-plane request dropped: %s", self.node_id, e)
+                mid = peek_id(body)
+                if mid is not None:
+                    await self._send(ident, _error(mid, "WireError", str(e)))
+                continue
+            try:
+                await self._handle(ident, msg)
+            except Exception as e:  # one bad request must not stop the data plane
+                log.exception("node %s: data-plane request %s failed", self.node_id, msg.method)
+                await self._send(ident, _error(msg.id, type(e).__name__, str(e)))
+
+    async def _send(self, ident: Any, frames: list[Any]) -> None:
+        await self.socket.send_multipart([ident, *frames], copy=False)
+
+    async def _handle(self, ident: Any, msg: Message) -> None:
+        if msg.op == "hello":
+            info = {"node": self.node_id, "host": self.host_id}
+            await self._send(ident, encode_message(Message("hello", msg.id, "data", info)))
+        elif msg.op == "call" and msg.method == "pull" and isinstance(msg.args, dict):
+            await self._pull(ident, msg.id, msg.args.get("keys"), bool(msg.args.get("same_host")))
+        else:
+            await self._send(
+                ident,
+                _error(msg.id, "WireError", f"data plane serves hello and call pull, not {msg.op}"),
+            )
+
+    async def _pull(self, ident: Any, msg_id: int, keys: Any, same_host: bool) -> None:
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            await self._send(ident, _error(msg_id, "WireError", "pull needs a list of str keys"))
+            return
+        entries: list[StoredShard] = []
+        missing: list[str] = []
+        for k in keys:
+            try:
+                entries.append(self.store.entry(k))
+            except ShardNotFound:
+                missing.append(k)
+        if missing:
+            shown = ", ".join(repr(k) for k in missing[:5]) + (" ..." if len(missing) > 5 else "")
+            reason = f"node {self.node_id} does not hold shard(s) {shown} (freed, or never stored)"
+            err = _error(msg_id, "ShardNotFound", reason, node=self.node_id, keys=missing)
+            await self._send(ident, err)
+            return
+        descs, streamed = [], []
+        for e in entries:
+            d: dict[str, Any] = {
+                "meta": e.meta.to_wire(),
+                "slots": [s.to_wire() for s in e.slots],
+                "size": e.size,
+            }
+            if same_host and e.segment is not None:
+                d["segment"] = e.segment
+            else:
+                streamed.append(e)
+            descs.append(d)
+        chunks = plan_chunks([e.size for e in streamed], self.chunk_bytes)
+        head = {"shards": descs, "chunks": len(chunks)}
+        await self._send(ident, encode_message(Message("ok", msg_id, "pull", head)))
+        views = [memoryview(e.buffer) for e in streamed]
+        for i, parts in enumerate(chunks):
+            header = encode_message(Message("ok", msg_id, "chunk", {"i": i, "parts": parts}))
+            data = [views[b][off : off + n] for b, off, n in parts]
+            await self._send(ident, [*header, *data])
+
+
+# ---- client -------------------------------------------------------------------------------------
+class _Peer:
+    """One owner node's connection: a DEALER, its reader task, and the requests in flight."""
+
+    def __init__(self, node: str, addr: str, sock: zmq.asyncio.Socket):
+        self.node, self.addr, self.sock = node, addr, sock
+        self.host: str | None = None
+        self.pending: dict[int, asyncio.Queue] = {}
+        self.reader = asyncio.create_task(self._read(), name=f"data-peer-{node}")
+        self.hello_lock = asyncio.Lock()
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            try:
+                msg = decode_message(frames[:1])
+            except WireError as e:
+                log.warning("malformed data-plane reply from node %s dropped: %s", self.node, e)
+                continue
+            q = self.pending.get(msg.id)
+            if q is not None:  # else: a reply to a request that already gave up
+                q.put_nowait((msg, frames[1:]))
+
+    def close(self, reason: str) -> None:
+        self.reader.cancel()
+        self.sock.close(0)
+        for q in self.pending.values():
+            q.put_nowait(reason)
+        self.pending.clear()
+
+
+class DataPlaneClient:
+    """Pulls shards from their owners into the local store; one reused DEALER per owner."""
+
+    def __init__(
+        self,
+        store: ShardStore,
+        *,
+        ctx: zmq.asyncio.Context,
+        security: Security,
+        node_id: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        force_tcp: bool = False,
+    ):
+        self.store = store
+        self.ctx = ctx
+        self.security = security
+        self.node_id = node_id or store.node_id
+        self.timeout = timeout  # seconds an owner may stay silent before it counts as gone
+        self.force_tcp = force_tcp
+        self.host_id = host_id()
+        self._peers: dict[str, _Peer] = {}
+        self._ids = itertools.count(1)
+
+    async def pull(self, batch: RTensor) -> list[dict[str, torch.Tensor]]:
+        """The shards of ``batch`` in batch order (pulled where not already held here)."""
+        got = await self.pull_shards(batch.refs, batch.peers)
+        return [got[r.key] for r in batch.refs]
+
+    async def pull_shards(
+        self, refs: Iterable[ShardRef], peers: Mapping[str, str]
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """Pull ``refs`` (grouped per owner, owners concurrently) into the store; key -> tensors.
+
+        ``peers`` maps owner node ids to their data-plane addresses. Raises ShardUnavailable
+        naming the owner and the key; shards this call added are dropped again on failure.
+        """
+        by_node: dict[str, list[str]] = {}
+        for r in refs:
+            if r.key not in self.store and r.key not in by_node.get(r.node, ()):
+                by_node.setdefault(r.node, []).append(r.key)
+        for node, keys in by_node.items():
+            if node == self.node_id:
+                raise ShardUnavailable(node, keys[0], "not held by this node (already freed?)")
+            if node not in peers:
+                raise ShardUnavailable(node, keys[0], "no data-plane address known for this node")
+        added: list[str] = []
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for node, keys in by_node.items():
+                    tg.create_task(self._pull_from(node, peers[node], keys, added))
+        except BaseException as e:
+            self.store.free(added)
+            if isinstance(e, BaseExceptionGroup):
+                for sub in e.exceptions:  # the first owner that failed says what to fix
+                    if isinstance(sub, ShardUnavailable):
+                        raise sub from None
+            raise
+        return {r.key: self.store.get(r.key) for r in refs}
+
+    async def close(self) -> None:
+        """Close every connection (pending pulls fail with ShardUnavailable)."""
+        for peer in self._peers.values():
+            peer.close("the client was closed")
+        self._peers.clear()
+
+    # ---- one owner ------------------------------------------------------------------------------
+    def _peer(self, node: str, addr: str) -> _Peer:
+        peer = self._peers.get(node)
+        if peer is not None and peer.addr != addr:
+            peer.close(f"node {node} moved to {addr}")
+            peer = None
+        if peer is None:
+            sock = make_socket(self.ctx, zmq.DEALER, self.security, server=False)
+            # Few chunks wait in libzmq: past that, TCP back-pressure paces the owner.
+            sock.setsockopt(zmq.RCVHWM, _RECV_QUEUE)
+            sock.connect(addr)
+            peer = self._peers[node] = _Peer(node, addr, sock)
+        return peer
+
+    def _drop(self, peer: _Peer, reason: str) -> None:
+        if self._peers.get(peer.node) is peer:
+            del self._peers[peer.node]
+        peer.close(reason)
+
+    async def _request(self, peer: _Peer, key: str, msg: Message) -> tuple[asyncio.Queue, int]:
+        q: asyncio.Queue = asyncio.Queue()
+        peer.pending[msg.id] = q
+        try:
+            await asyncio.wait_for(
+                peer.sock.send_multipart(encode_message(msg), copy=False), self.timeout
+            )
+        except TimeoutError:
+            self._drop(peer, "send timed out")
+            raise ShardUnavailable(
+                peer.node, key, f"cannot send to {peer.addr} within {self.timeout}s"
+            ) from None
+        return q, msg.id
+
+    async def _next(self, peer: _Peer, q: asyncio.Queue, key: str) -> tuple[Message, list]:
+        try:
+            item = await asyncio.wait_for(q.get(), self.timeout)
+        except TimeoutError:
+            self._drop(peer, "timed out")
+            raise ShardUnavailable(
+                peer.node, key, f"no answer from {peer.addr} within {self.timeout}s (node dead?)"
+            ) from None
+        if isinstance(item, str):
+            raise ShardUnavailable(peer.node, key, f"connection to {peer.addr} closed: {item}")
+        msg, frames = item
+        if msg.op == "err":
+            a = msg.args if isinstance(msg.args, dict) else {}
+            missing = a.get("keys") or [key]
+            raise ShardUnavailable(peer.node, missing[0], str(a.get("message", a)))
+        return msg, frames
+
+    async def _hello(self, peer: _Peer, key: str) -> None:
+        async with peer.hello_lock:
+            if peer.host is not None:
+                return
+            q, mid = await self._request(peer, key, Message("hello", next(self._ids), "data", {}))
+            try:
+                msg, _ = await self._next(peer, q, key)
+            finally:
+                peer.pending.pop(mid, None)
+            info = msg.args if isinstance(msg.args, dict) else {}
+            if info.get("node") != peer.node:
+                self._drop(peer, "wrong node")
+                raise ShardUnavailable(
+                    peer.node, key, f"{peer.addr} is served by node {info.get('node')!r} instead"
+                )
+            peer.host = str(info.get("host"))
+
+    async def _pull_from(self, node: str, addr: str, keys: list[str], added: list[str]) -> None:
+        peer = self._peer(node, addr)
+        await self._hello(peer, keys[0])
+        same_host = not self.force_tcp and peer.host == self.host_id
+        unmapped = await self._pull_request(peer, keys, same_host, added)
+        if unmapped:  # segment gone or not ours to open (other namespace): take the bytes
+            await self._pull_request(peer, unmapped, False, added)
+
+    async def _pull_request(
+        self, peer: _Peer, keys: list[str], same_host: bool, added: list[str]
+    ) -> list[str]:
+        """One pull; returns the keys whose segments could not be mapped."""
+        args = {"keys": keys, "same_host": same_host}
+        q, mid = await self._request(peer, keys[0], Message("call", next(self._ids), "pull", args))
+        try:
+            head, _ = await self._next(peer, q, keys[0])
+            try:
+                descs = head.args["shards"]
+                n_chunks = int(head.args["chunks"])
+                metas = [ShardMeta.from_wire(d["meta"]) for d in descs]
+                slots = [[TensorSlot.from_wire(s) for s in d["slots"]] for d in descs]
+                sizes = [int(d["size"]) for d in descs]
+            except (KeyError, TypeError, ValueError) as e:
+                raise ShardUnavailable(peer.node, keys[0], f"malformed pull reply: {e}") from None
+            unmapped: list[str] = []
+            buffers: dict[int, mmap.mmap] = {}
+            streamed: list[int] = []
+            for i, d in enumerate(descs):
+                if "segment" in d:
+                    try:
+                        buffers[i] = map_segment(d["segment"], sizes[i], self.store.shm_dir)
+                    except (FileNotFoundError, PermissionError):
+                        unmapped.append(metas[i].key)
+                else:
+                    streamed.append(i)
+                    buffers[i] = _anonymous(sizes[i])
+            targets = [memoryview(buffers[i]) for i in streamed]
+            for _ in range(n_chunks):
+                msg, frames = await self._next(peer, q, keys[0])
+                parts = msg.args.get("parts") if isinstance(msg.args, dict) else None
+                if not isinstance(parts, list) or len(parts) != len(frames):
+                    raise ShardUnavailable(peer.node, keys[0], "malformed chunk from owner")
+                for (b, off, n), frame in zip(parts, frames, strict=True):
+                    buf = frame.buffer
+                    if not 0 <= b < len(targets) or buf.nbytes != n or off + n > len(targets[b]):
+                        raise ShardUnavailable(peer.node, keys[0], "chunk outside its shard")
+                    targets[b][off : off + n] = buf
+        finally:
+            peer.pending.pop(mid, None)
+        for i, buf in buffers.items():
+            if self.store.add_copy(metas[i], slots[i], buf):
+                added.append(metas[i].key)
+        return unmapped
+
+
+def _anonymous(size: int) -> mmap.mmap:
+    buf = mmap.mmap(-1, size)
+    if size >= 2 << 20:  # huge pages: 512x fewer page faults while the chunks land
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    return buf
+
+
+# ---- a node's data plane, as one service ---------------------------------------------------------
+class NodeDataPlane:
+    """A node's shard store with its server and client: stats, free, and RTensor arguments."""
+
+    def __init__(self, store: ShardStore, server: DataPlaneServer, client: DataPlaneClient):
+        self.store, self.server, self.client = store, server, client
+
+    @classmethod
+    def start(
+        cls,
+        *,
+        run_id: str,
+        node_id: str,
+        ctx: zmq.asyncio.Context,
+        security: Security,
+        socket: zmq.asyncio.Socket,
+        shared_memory: bool = True,
+        timeout: float = DEFAULT_TIMEOUT,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> NodeDataPlane:
+        """Sweep orphaned segments of ``run_id``, then serve the store on the bound ``socket``."""
+        sweep_orphans(run_id)
+        store = ShardStore(run_id, node_id, shared_memory=shared_memory)
+        server = DataPlaneServer(store, socket, node_id=node_id, chunk_bytes=chunk_bytes)
+        server.start()
+        client = DataPlaneClient(store, ctx=ctx, security=security, timeout=timeout)
+        return cls(store, server, client)
+
+    def stats(self) -> dict[str, int]:
+        """The store's gauges (``bytes_held``, ``n_shards``), for heartbeats."""
+        return self.store.stats()
+
+    def free(self, keys: list[str]) -> int:
+        """Drop ``keys`` (owned or pulled copies); returns bytes freed."""
+        return self.store.free(keys)
+
+    async def materialize(self, args: list, kwargs: dict) -> tuple[list, dict]:
+        """Replace each RTensor (wire form) in the call arguments by its shards, in batch order."""
+        wanted = [a for a in itertools.chain(args, kwargs.values()) if is_wire_rtensor(a)]
+        if not wanted:
+            return args, kwargs
+        pulled = {id(w): await self.client.pull(RTensor.from_wire(w)) for w in wanted}
+
+        def swap(a: Any) -> Any:
+            return pulled[id(a)] if is_wire_rtensor(a) else a
+
+        return [swap(a) for a in args], {k: swap(v) for k, v in kwargs.items()}
+
+    async def close(self) -> None:
+        """Stop serving, close connections, unlink this node's segments."""
+        await self.server.close()
+        await self.client.close()
+        self.store.close()

@@ -1,0 +1,174 @@
+"""Engine hosting on a rollout node: the engine, the workflow beside it, and their shards.
+
+The controller creates one `RolloutWorker` per rollout node and calls ``setup()`` once. Each
+``run_group`` runs the workflow on one dataset row, keeps the resulting trajectory in the node's
+shard store, and answers with its metadata only (key, sizes, token count, rewards, versions):
+the tensors stay here until a train rank pulls them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from typing import Any
+
+import torch
+
+from arl.engines.base import SamplingParams
+from arl.node.daemon import resolve_import
+from arl.workflows.base import TRAJECTORY_KEYS
+from arl.workflows.rlvr import RLVRWorkflow
+
+log = logging.getLogger("arl.rollout")
+
+
+class RolloutWorker:
+    """Hosts an inference engine and runs workflow episodes into the node's shard store."""
+
+    def __init__(
+        self,
+        *,
+        model_path: str,
+        engine: str = "arl.engines.hf:HFEngine",
+        engine_kwargs: dict | None = None,
+        reward: str = "arl.rewards.gsm8k:gsm8k_reward",
+        sampling: dict | None = None,
+        n_samples: int = 4,
+        max_prompt_len: int = 512,
+        prompt_overflow: str = "error",
+    ):
+        self.model_path = model_path
+        self.engine_target, self.engine_kwargs = engine, dict(engine_kwargs or {})
+        self.reward_target = reward
+        self.sampling = SamplingParams(**(sampling or {}))
+        self.n_samples, self.max_prompt_len = n_samples, max_prompt_len
+        self.prompt_overflow = prompt_overflow
+        self.node: Any = None
+        self.engine: Any = None
+        self.workflow: RLVRWorkflow | None = None
+        self.groups_done = 0
+        self.groups_failed = 0
+
+    def attach_node(self, node: Any) -> None:
+        """Called by the node after construction: gives access to its store and prefixes."""
+        self.node = node
+
+    async def setup(self) -> dict:
+        """Load the engine and tokenizer (imports checked against the node's prefixes)."""
+        from transformers import AutoTokenizer
+
+        prefixes = self.node.allowed_prefixes if self.node else ("arl.",)
+        engine_cls = resolve_import(self.engine_target, prefixes)
+        reward_fn = resolve_import(self.reward_target, prefixes)
+        loop = asyncio.get_running_loop()
+        # Model loading blocks: keep it off the event loop.
+        tokenizer = await loop.run_in_executor(None, AutoTokenizer.from_pretrained, self.model_path)
+        if inspect.iscoroutinefunction(getattr(engine_cls, "create", None)):
+            self.engine = await engine_cls.create(self.model_path, **self.engine_kwargs)
+        else:
+            self.engine = await loop.run_in_executor(
+                None, lambda: engine_cls(self.model_path, **self.engine_kwargs)
+            )
+        stop = set(self.sampling.stop_token_ids)
+        if tokenizer.eos_token_id is not None:
+            stop.add(int(tokenizer.eos_token_id))
+        self.sampling.stop_token_ids = sorted(stop)
+        self.workflow = RLVRWorkflow(
+            tokenizer,
+            reward_fn,
+            self.sampling,
+            n_samples=self.n_samples,
+            max_prompt_len=self.max_prompt_len,
+            prompt_overflow=self.prompt_overflow,
+        )
+        return await self.engine.health()
+
+    # ---- episodes ---------------------------------------------------------------------------
+    async def run_group(self, key: str, data: dict) -> dict:
+        """Run one prompt group, store it under ``key``; returns its metadata (no tensors)."""
+        t0 = time.monotonic()
+        group = await self.workflow.arun_episode(self.engine, data)
+        texts = group.pop("_texts", [])
+        shard = {k: group[k] for k in TRAJECTORY_KEYS}
+        meta = self.node.store.put(key, shard)
+        self.groups_done += 1
+        gen = shard["loss_mask"]
+        versions = shard["versions"][gen]
+        return {
+            "key": key,
+            "meta": meta.to_wire(),
+            "group_size": int(shard["rewards"].numel()),
+            "rewards": shard["rewards"].tolist(),
+            "n_gen_tokens": int(gen.sum()),
+            "min_version": int(versions.min()) if versions.numel() else -1,
+            "max_version": int(versions.max()) if versions.numel() else -1,
+            "seconds": time.monotonic() - t0,
+            "sample_text": texts[0][:500] if texts else "",
+        }
+
+    async def evaluate(
+        self,
+        rows: list[dict],
+        n_samples: int = 1,
+        temperature: float = 0.0,
+        max_new_tokens: int | None = None,
+    ) -> list[float]:
+        """Mean reward per row under evaluation sampling (greedy at temperature 0); no shards."""
+        sampling = SamplingParams(
+            max_new_tokens=max_new_tokens or self.sampling.max_new_tokens,
+            temperature=temperature if temperature > 0 else 1.0,
+            greedy=temperature <= 0,
+            stop_token_ids=list(self.sampling.stop_token_ids),
+        )
+        groups = await asyncio.gather(
+            *(self.workflow.arun_episode(self.engine, row, sampling, n_samples) for row in rows)
+        )
+        return [float(g["rewards"].mean()) for g in groups]
+
+    # ---- engine control (weight sync) -------------------------------------------------------
+    async def pause(self) -> None:
+        """Interrupt in-flight generations; they continue after resume()."""
+        await self.engine.pause()
+
+    async def resume(self) -> None:
+        """Let generation continue."""
+        await self.engine.resume()
+
+    async def set_version(self, version: int) -> None:
+        """Stamp tokens generated from now on with ``version``."""
+        self.engine.set_version(version)
+
+    async def update_weights_from_disk(self, path: str) -> None:
+        """Reload weights from an HF folder (engine paused)."""
+        fn = self.engine.update_weights_from_disk
+        if inspect.iscoroutinefunction(fn):
+            await fn(path)
+        else:
+            await asyncio.get_running_loop().run_in_executor(None, fn, path)
+
+    async def load_weights(self, buckets: list[dict[str, torch.Tensor]]) -> int:
+        """Copy pulled weight buckets into the engine's parameters (engine paused)."""
+        named = [(name, t) for bucket in buckets for name, t in bucket.items()]
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.engine.update_weights, named)
+
+    async def weights_checksum(self) -> str:
+        """The engine's weight checksum (tests compare it with the trainer's)."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.engine.weights_checksum)
+
+    async def health(self) -> dict:
+        """Engine health plus this worker's counters."""
+        h = await self.engine.health()
+        return {**h, "groups_done": self.groups_done}
+
+    async def aclose(self) -> None:
+        """End the engine (and any server it started)."""
+        if self.engine is None:
+            return
+        close = getattr(self.engine, "aclose", None) or getattr(self.engine, "close", None)
+        if close is not None:
+            res = close()
+            if inspect.isawaitable(res):
+                await res

@@ -1,0 +1,185 @@
+"""Training hosting on a train node: one FSDP2 rank and the batch it is working on.
+
+The controller creates one `TrainWorker` per rank and drives a step as a few calls that every
+rank runs together (they share collectives, so the node runs them on its engine thread in call
+order): ``load_batch(rtensor)`` (the node pulls this rank's shards first), ``compute_logp``,
+``compute_ref_logp``, ``compute_advantages``, ``ppo_update``. Between calls the batch stays
+here; only small statistics travel back.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from arl.algo.packing import concat_shards
+from arl.engines.fsdp import FSDPEngine
+from arl.engines.hf import checksum_named_tensors
+
+
+def _actor_config(actor: dict) -> Any:
+    from arl.config import ActorConfig, converter
+
+    return converter.structure(actor, ActorConfig)
+
+
+class TrainWorker:
+    """One data-parallel rank: the FSDP engine plus the current step's batch."""
+
+    def __init__(
+        self,
+        actor: dict,
+        *,
+        rank: int,
+        world_size: int,
+        init_method: str,
+        device: str = "cpu",
+        seed: int = 1,
+        ref_path: str | None = None,
+        total_steps: int | None = None,
+    ):
+        if device == "cpu" and os.environ.get("OMP_NUM_THREADS"):
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        self.rank = rank
+        self.engine = FSDPEngine(
+            _actor_config(actor),
+            rank=rank,
+            world_size=world_size,
+            init_method=init_method,
+            device=device,
+            seed=seed,
+            ref_path=ref_path or None,
+            total_steps=total_steps,
+        )
+        self.batch: dict[str, torch.Tensor] | None = None
+        self.node: Any = None
+
+    def attach_node(self, node: Any) -> None:
+        """Called by the node after construction: gives access to its shard store."""
+        self.node = node
+
+    # ---- one step ---------------------------------------------------------------------------
+    def load_batch(self, shards: list[dict[str, torch.Tensor]]) -> dict:
+        """Concatenate this rank's pulled shards (prompt groups) into one padded batch."""
+        if not shards:
+            raise ValueError(
+                f"rank {self.rank} got no shards; data.batch_size must be >= the "
+                "number of train ranks"
+            )
+        self.batch = concat_shards(shards)
+        mask = self.batch["loss_mask"]
+        return {"n_seqs": int(mask.shape[0]), "n_tokens": int(self.batch["attention_mask"].sum())}
+
+    def compute_logp(self) -> None:
+        """Proximal log-probs: the current policy on the batch (before the update)."""
+        self.batch["prox_logp"] = self.engine.compute_logp(self._need_batch())
+
+    def compute_ref_logp(self) -> None:
+        """Reference-model log-probs (only with actor.kl_ctl > 0)."""
+        self.batch["ref_logp"] = self.engine.compute_ref_logp(self._need_batch())
+
+    def compute_advantages(self) -> dict:
+        """Advantages on the batch; returns reward statistics of this rank."""
+        self.batch = self.engine.compute_advantages(self._need_batch())
+        r = self.batch["rewards"]
+        return {"reward_sum": float(r.sum()), "n_seqs": int(r.numel())}
+
+    def ppo_update(self) -> dict:
+        """The PPO update over the batch; returns this rank's statistics."""
+        b = self._need_batch()
+        stats = self.engine.ppo_update(b)
+        mask = b["loss_mask"]
+        stats["gen_len_mean"] = float(mask.sum(1).float().mean())
+        return {k: float(v) if not math.isnan(float(v)) else "nan" for k, v in stats.items()}
+
+    def end_step(self) -> None:
+        """Drop the step's batch (the pulled shards are freed by the controller's fan-out)."""
+        self.batch = None
+
+    def _need_batch(self) -> dict[str, torch.Tensor]:
+        if self.batch is None:
+            raise RuntimeError("no batch loaded: call load_batch first")
+        return self.batch
+
+    # ---- weights ----------------------------------------------------------------------------
+    def full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full (unsharded) named weights; every rank must iterate (collective gathers)."""
+        return self.engine.state_dict_for_sync()
+
+    def publish_weights(self, key_prefix: str, bucket_bytes: int) -> list[dict]:
+        """Put the full weights into this node's store as buckets (rank 0); returns their metas.
+
+        Every rank calls it (the gathers are collective); only rank 0 keeps the buckets.
+        """
+        metas, bucket, size, n = [], {}, 0, 0
+        for name, t in self.full_state():
+            if self.rank != 0:
+                continue
+            bucket[name] = t.detach().to("cpu").contiguous()
+            size += t.numel() * t.element_size()
+            if size >= bucket_bytes:
+                metas.append(self.node.store.put(f"{key_prefix}/{n}", bucket).to_wire())
+                bucket, size, n = {}, 0, n + 1
+        if bucket:
+            metas.append(self.node.store.put(f"{key_prefix}/{n}", bucket).to_wire())
+        return metas
+
+    def save_hf(self, path: str) -> None:
+        """Write the weights as an HF folder (every rank calls; rank 0 writes), atomically."""
+        tmp = f"{path}.tmp"
+        self.engine.save_hf(tmp)
+        if self.rank == 0:
+            if os.path.exists(path):
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+
+    def weights_checksum(self) -> str:
+        """Checksum of the full weights, comparable with an inference engine's."""
+        return checksum_named_tensors(self.full_state())
+
+    # ---- recovery ---------------------------------------------------------------------------
+    def save_state(self, path: str) -> None:
+        """Model and optimizer state through torch.distributed.checkpoint (sharded)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.engine.model, self.engine.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        Path(path, f"rng-{self.rank}.pt").write_bytes(_rng_bytes())
+
+    def load_state(self, path: str, step: int) -> None:
+        """Restore what `save_state` wrote and the optimizer step counter."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.engine.model, self.engine.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(
+            self.engine.model,
+            self.engine.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+        self.engine.set_step(step)
+        rng = Path(path, f"rng-{self.rank}.pt")
+        if rng.exists():
+            torch.set_rng_state(torch.frombuffer(bytearray(rng.read_bytes()), dtype=torch.uint8))
+
+    def get_step(self) -> int:
+        """Optimizer steps taken."""
+        return self.engine.get_step()
+
+    def close(self) -> None:
+        """Destroy the process group."""
+        self.engine.destroy()
+
+
+def _rng_bytes() -> bytes:
+    return torch.get_rng_state().numpy().tobytes()

@@ -1,0 +1,72 @@
+"""Metrics of a run: one JSONL line per step and TensorBoard scalars/histograms.
+
+``StatsLogger.log(step, metrics)`` takes a flat dict of numbers (lists become histograms in
+TensorBoard and stay lists in the JSONL). Both files live in the run directory:
+``metrics.jsonl`` and ``tensorboard/``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+
+class StatsLogger:
+    """Writes each step's metrics to JSONL and (optionally) TensorBoard."""
+
+    def __init__(self, run_dir: str | Path, *, jsonl: bool = True, tensorboard: bool = True):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = self.run_dir / "metrics.jsonl" if jsonl else None
+        self._jsonl = open(self.jsonl_path, "a") if self.jsonl_path else None  # noqa: SIM115
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Record ``metrics`` for ``step``."""
+        row = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(row) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for k, v in row.items():
+                if k in ("step", "time"):
+                    continue
+                if isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
+                    import numpy as np
+
+                    self._tb.add_histogram(k, np.asarray(v, dtype=float), step)
+                elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        """Flush and close both files."""
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "item") and getattr(v, "numel", lambda: 1)() == 1:
+        return v.item()
+    if hasattr(v, "tolist"):
+        return v.tolist()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """All rows of a metrics.jsonl file."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,375 @@
+"""The PPO/GRPO loop (DESIGN §4). `run(cfg)` is what ``python -m arl.launch RECIPE`` runs.
+
+Rollout runs all the time in the background (`RolloutController`); each training step:
+
+1. takes ``data.batch_size`` accepted prompt groups, oldest first, as an RTensor (metadata only);
+2. splits it across the train ranks by token count; each rank pulls its shards from the
+   rollout nodes directly;
+3. recomputes proximal log-probs (and reference log-probs with KL), advantages, the PPO update;
+4. syncs weights into the rollout engines (pause -> transfer -> version + 1 -> resume);
+5. logs metrics, evaluates and checkpoints when due, and frees the step's shards everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from arl.ckpt.recovery import RecoveryState, Saver
+from arl.config import Config
+from arl.control.cluster import Cluster, start_cluster
+from arl.control.controller import RemoteObject
+from arl.control.dispatch import dispatch
+from arl.control.placement import plan_placement
+from arl.control.rollout import RolloutController
+from arl.control.rtensor import RTensor, ShardRef
+from arl.control.staleness import StalenessSemaphore
+from arl.control.weight_sync import DiskWeightSync, WeightSync, ZmqWeightSync
+from arl.data.loader import StatefulLoader
+from arl.node.daemon import resolve_import
+from arl.stats.logger import StatsLogger
+
+log = logging.getLogger("arl.trainer")
+
+
+async def run(cfg: Config) -> None:
+    """Run the whole experiment described by ``cfg``."""
+    from arl.launch import detect_gpus
+
+    plan = plan_placement(cfg, detect_gpus(cfg))
+    async with start_cluster(cfg, plan) as cluster:
+        trainer = PPOTrainer(cfg, cluster)
+        try:
+            await trainer.setup()
+            await trainer.train()
+        finally:
+            await trainer.close()
+
+
+def load_rows(cfg: Config, split: str) -> list[dict]:
+    """Dataset rows of ``split`` through ``data.loader`` (rows carry chat ``messages``)."""
+    loader = resolve_import(cfg.data.loader, tuple(cfg.cluster.allowed_import_prefixes))
+    rows, stats = loader(cfg.data.path, split, cfg.data.on_bad_row)
+    skipped = stats.skipped if hasattr(stats, "skipped") else stats.get("skipped", 0)
+    if skipped:
+        log.warning("%s/%s: skipped %d malformed rows", cfg.data.path, split, skipped)
+    return rows
+
+
+class PPOTrainer:
+    """Composes rollout, training, weight sync, metrics and checkpoints into one loop."""
+
+    def __init__(self, cfg: Config, cluster: Cluster):
+        self.cfg, self.cluster = cfg, cluster
+        self.version = 0
+        self.step = 0
+        self.train_workers: list[RemoteObject] = []
+        self.rollout_workers: list[RemoteObject] = []
+        self.stats = StatsLogger(
+            cfg.run_path, jsonl=cfg.stats.jsonl, tensorboard=cfg.stats.tensorboard
+        )
+        self.saver = Saver(cfg.run_path)
+        self.rollout: RolloutController | None = None
+        self.weight_sync: WeightSync | None = None
+        self.progress: Any = None
+
+    # ---- setup ------------------------------------------------------------------------------
+    async def setup(self) -> None:
+        """Resolve the model, start engines and train ranks, restore a checkpoint if asked."""
+        cfg = self.cfg
+        loop = asyncio.get_running_loop()
+        from arl.engines.model import resolve_model
+
+        model_path = await loop.run_in_executor(None, resolve_model, cfg.actor.path)
+        rows = await loop.run_in_executor(None, load_rows, cfg, cfg.data.train_split)
+        self.eval_rows = []
+        if cfg.evaluator.freq_steps:
+            self.eval_rows = await loop.run_in_executor(None, load_rows, cfg, cfg.data.eval_split)
+            self.eval_rows = self.eval_rows[: cfg.evaluator.max_questions or None]
+        await asyncio.gather(
+            self._start_rollout_workers(model_path), self._start_train_workers(model_path)
+        )
+        sem = StalenessSemaphore(
+            cfg.data.batch_size, cfg.rollout.max_head_offpolicyness, cfg.max_concurrent_rollouts
+        )
+        loader = StatefulLoader(rows, 1, shuffle=cfg.data.shuffle, seed=cfg.experiment.seed)
+        peers = {p.handle.node_id: p.handle.info["data_addr"] for p in self.cluster.rollout}
+        self.rollout = RolloutController(
+            self.rollout_workers,
+            loader,
+            sem,
+            peers=peers,
+            free=self.free,
+            stale_policy=cfg.rollout.stale_sample_policy,
+        )
+        self.weight_sync = self._make_weight_sync()
+        state = self.saver.latest() if cfg.recover.mode == "auto" else None
+        if state is not None:
+            await self._restore(state)
+
+    async def _start_rollout_workers(self, model_path: str) -> None:
+        cfg = self.cfg
+        engine = {
+            "hf": "arl.engines.hf:HFEngine",
+            "vllm": "arl.engines.vllm:VLLMEngine",
+            "sglang": "arl.engines.sglang:SGLangEngine",
+        }[cfg.rollout.backend.split(":")[0]]
+        sampling = {k: v for k, v in attrs.asdict(cfg.gconfig).items() if k != "n_samples"}
+
+        async def one(p: Any) -> RemoteObject:
+            kw = {"device": p.device, "dtype": cfg.rollout.dtype, "seed": cfg.experiment.seed}
+            if engine != "arl.engines.hf:HFEngine":
+                kw = {
+                    "python": cfg.rollout.server_python,
+                    "server_args": list(cfg.rollout.server_args),
+                }
+            w = await p.handle.create(
+                "arl.node.rollout:RolloutWorker",
+                name="rollout",
+                model_path=model_path,
+                engine=engine,
+                engine_kwargs=kw,
+                reward=cfg.rollout.reward,
+                sampling=sampling,
+                n_samples=cfg.gconfig.n_samples,
+                max_prompt_len=cfg.data.max_prompt_len,
+                prompt_overflow=cfg.data.prompt_overflow,
+            )
+            await w.setup()
+            return w
+
+        self.rollout_workers = list(await asyncio.gather(*(one(p) for p in self.cluster.rollout)))
+
+    async def _start_train_workers(self, model_path: str) -> None:
+        cfg = self.cfg
+        rank0 = self.cluster.train[0].handle
+        host = "127.0.0.1" if "127.0.0.1" in self.cluster.controller.address else rank0.info["host"]
+        port = await rank0.call("free_port", {"host": host})
+        actor = attrs.asdict(cfg.actor)
+        actor["path"] = model_path
+        world = len(self.cluster.train)
+        self.train_workers = list(
+            await asyncio.gather(
+                *(
+                    p.handle.create(
+                        "arl.node.train:TrainWorker",
+                        actor,
+                        name="train",
+                        rank=p.spec.rank,
+                        world_size=world,
+                        init_method=f"tcp://{host}:{port}",
+                        device=p.device,
+                        seed=cfg.experiment.seed,
+                        ref_path=cfg.ref_path or None,
+                        total_steps=cfg.experiment.total_train_steps * cfg.actor.ppo_n_minibatches,
+                    )
+                    for p in self.cluster.train
+                )
+            )
+        )
+
+    def _make_weight_sync(self) -> WeightSync:
+        cfg = self.cfg
+        mode = cfg.weight_sync.mode
+        engine = cfg.rollout.backend.split(":")[0]
+        if mode == "auto":
+            mode = "zmq" if engine == "hf" else "disk"
+        if mode == "zmq":
+            return ZmqWeightSync(
+                self.cluster,
+                self.train_workers,
+                self.rollout_workers,
+                self.rollout,
+                cfg.weight_sync.bucket_bytes,
+                self.free,
+            )
+        if mode == "disk":
+            return DiskWeightSync(
+                self.train_workers, self.rollout_workers, self.rollout, cfg.run_path / "weights"
+            )
+        raise NotImplementedError(
+            f"weight_sync.mode={mode} is not available in this build; use zmq or disk"
+        )
+
+    # ---- the loop ---------------------------------------------------------------------------
+    async def train(self) -> None:
+        """Run training steps until ``experiment.total_train_steps``."""
+        cfg = self.cfg
+        total = cfg.experiment.total_train_steps
+        self.rollout.start()
+        self._open_progress(total)
+        while self.step < total:
+            t0 = time.monotonic()
+            batch, infos = await self.rollout.prepare_batch(cfg.data.batch_size, self.version)
+            t_rollout = time.monotonic() - t0
+            metrics = await self.train_step(batch)
+            t1 = time.monotonic()
+            metrics.update(await self.weight_sync.sync(self.version + 1))
+            self.version += 1
+            if cfg.weight_sync.verify:
+                metrics.update(await self.verify_weights())
+            self.step += 1
+            t2 = time.monotonic()
+            await self.free(list(batch.refs))
+            metrics.update(self._rollout_metrics(infos))
+            metrics.update(
+                {
+                    "time/wait_rollout_s": t_rollout,
+                    "time/train_s": t1 - t0 - t_rollout,
+                    "time/sync_s": t2 - t1,
+                    "time/step_s": time.monotonic() - t0,
+                    "version": self.version,
+                }
+            )
+            metrics.update(self._node_gauges())
+            if cfg.evaluator.freq_steps and self.step % cfg.evaluator.freq_steps == 0:
+                metrics.update(await self.evaluate())
+            if cfg.saver.freq_steps and self.step % cfg.saver.freq_steps == 0:
+                await self.save_hf()
+            if cfg.recover.mode == "auto" and self.step % cfg.recover.freq_steps == 0:
+                await self.save_recovery()
+            self.stats.log(self.step, metrics)
+            self._update_progress(metrics)
+        if cfg.saver.hf_export:
+            await self.save_hf()
+
+    async def train_step(self, batch: RTensor) -> dict:
+        """One PPO update over ``batch`` on every train rank; returns averaged statistics."""
+        cfg = self.cfg
+        parts, _ = dispatch(batch, len(self.train_workers))
+        await self._all("load_batch", [[p.to_wire()] for p in parts])
+        if cfg.actor.use_decoupled_loss:
+            await self._all("compute_logp")
+        if cfg.actor.kl_ctl > 0:
+            await self._all("compute_ref_logp")
+        await self._all("compute_advantages")
+        per_rank = await self._all("ppo_update")
+        await self._all("end_step")
+        n = len(per_rank)
+        return {f"train/{k}": sum(float(r[k]) for r in per_rank) / n for k in per_rank[0]}
+
+    async def verify_weights(self) -> dict:
+        """Compare every engine's weight checksum with the trainer's (after a sync)."""
+        want = (await self._all("weights_checksum"))[0]
+        got = await asyncio.gather(*(w.weights_checksum() for w in self.rollout_workers))
+        return {"sync/checksum_match": all(g == want for g in got), "sync/checksum": want}
+
+    async def _all(self, method: str, args: list[list] | None = None) -> list:
+        """Call ``method`` on every train rank at once (they run collectives together)."""
+        return list(
+            await asyncio.gather(
+                *(
+                    w.call(method, *(args[i] if args else []))
+                    for i, w in enumerate(self.train_workers)
+                )
+            )
+        )
+
+    async def free(self, refs: list[ShardRef]) -> None:
+        """Free shards on their owners and every node holding a pulled copy, in one fan-out."""
+        keys = sorted({r.key for r in refs})
+        if keys:
+            await asyncio.gather(
+                *(
+                    p.handle.call("free", {"keys": keys})
+                    for p in self.cluster.nodes
+                    if not p.handle.lost
+                )
+            )
+
+    # ---- evaluation, checkpoints, metrics ---------------------------------------------------
+    async def evaluate(self) -> dict:
+        """Mean reward (accuracy for 0/1 rewards) on the held-out rows."""
+        cfg = self.cfg.evaluator
+        n = len(self.rollout_workers)
+        chunks = [self.eval_rows[i::n] for i in range(n)]
+        scores = await asyncio.gather(
+            *(
+                w.evaluate(chunk, cfg.n_samples, cfg.temperature)
+                for w, chunk in zip(self.rollout_workers, chunks, strict=True)
+                if chunk
+            )
+        )
+        flat = [s for part in scores for s in part]
+        return {"eval/accuracy": sum(flat) / max(1, len(flat)), "eval/n": len(flat)}
+
+    async def save_hf(self) -> Path:
+        """Export the policy as an HF folder loadable by from_pretrained."""
+        path = self.cfg.run_path / "checkpoints" / f"step{self.step}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        await self._all("save_hf", [[str(path)]] * len(self.train_workers))
+        return path
+
+    async def save_recovery(self) -> None:
+        """Model/optimizer (DCP) plus loop state, written atomically."""
+        state = RecoveryState(
+            step=self.step, version=self.version, rollout=self.rollout.state_dict()
+        )
+        async with self.saver.write(state) as path:
+            await self._all("save_state", [[str(path / "model")]] * len(self.train_workers))
+
+    async def _restore(self, state: RecoveryState) -> None:
+        log.warning("recovering from step %d (version %d)", state.step, state.version)
+        await self._all(
+            "load_state", [[str(state.path / "model"), state.step]] * len(self.train_workers)
+        )
+        self.step, self.version = state.step, state.version
+        self.rollout.load_state_dict(state.rollout)
+        # The engines start from the original weights: sync the recovered ones in.
+        await self.weight_sync.sync(self.version)
+
+    def _rollout_metrics(self, infos: list[dict]) -> dict:
+        rewards = [r for i in infos for r in i["rewards"]]
+        staleness = [self.version - 1 - i["min_version"] for i in infos]
+        s = self.rollout.stats
+        return {
+            "rollout/reward_mean": sum(rewards) / max(1, len(rewards)),
+            "rollout/accuracy": sum(r > 0 for r in rewards) / max(1, len(rewards)),
+            "rollout/gen_tokens": sum(i["n_gen_tokens"] for i in infos),
+            "rollout/staleness": staleness,
+            "rollout/staleness_max": max(staleness, default=0),
+            "rollout/submitted": s.submitted,
+            "rollout/accepted": s.accepted,
+            "rollout/failed": s.failed,
+            "rollout/stale_dropped": s.stale_dropped,
+            "rollout/stale_kept": s.stale_kept,
+        }
+
+    def _node_gauges(self) -> dict:
+        return {
+            f"node/{p.handle.node_id}/bytes_held": p.handle.stats.get("bytes_held", 0)
+            for p in self.cluster.nodes
+        }
+
+    def _open_progress(self, total: int) -> None:
+        if self.cfg.stats.progress_bar:
+            from tqdm import tqdm
+
+            self.progress = tqdm(
+                total=total, initial=self.step, desc="train", unit="step", dynamic_ncols=True
+            )
+
+    def _update_progress(self, m: dict) -> None:
+        if self.progress is not None:
+            post = {
+                "reward": f"{m['rollout/reward_mean']:.3f}",
+                "acc": f"{m['rollout/accuracy']:.2f}",
+                "v": self.version,
+            }
+            if "eval/accuracy" in m:
+                post["eval"] = f"{m['eval/accuracy']:.2f}"
+            self.progress.set_postfix(post)
+            self.progress.update(1)
+
+    async def close(self) -> None:
+        """Stop rollout and close the loggers (the cluster ends the processes)."""
+        if self.rollout is not None:
+            await self.rollout.stop()
+        if self.progress is not None:
+            self.progress.close()
+        self.stats.close()

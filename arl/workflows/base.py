@@ -1,0 +1,70 @@
+"""The `Workflow` protocol: how one dataset row becomes one trajectory shard.
+
+A workflow runs on a rollout node, next to its engine. ``arun_episode`` returns a prompt group as
+a dict of tensors (the layout below) or ``None`` to reject the row. Every tensor is right-padded
+to the group's longest sequence:
+
+- ``input_ids`` int64 [n, L], ``attention_mask`` bool [n, L]
+- ``loss_mask`` bool [n, L]: True on generated tokens
+- ``logprobs`` float32 [n, L]: sampling log-prob of token t at position t (0 on the prompt)
+- ``versions`` int32 [n, L]: policy version that produced token t (-1 on the prompt)
+- ``rewards`` float32 [n]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from arl.engines.base import Engine
+
+TRAJECTORY_KEYS = ("input_ids", "attention_mask", "loss_mask", "logprobs", "versions", "rewards")
+
+
+@runtime_checkable
+class Workflow(Protocol):
+    """Turns a dataset row into a trajectory using an engine."""
+
+    async def arun_episode(self, engine: Engine, data: dict[str, Any]) -> dict | None:
+        """Run one episode (a prompt group); ``None`` rejects the row."""
+        ...
+
+
+def pack_group(
+    prompts: list[list[int]],
+    outputs: list[list[int]],
+    logprobs: list[list[float]],
+    versions: list[list[int]],
+    rewards: list[float],
+) -> dict[str, torch.Tensor]:
+    """Build the padded group tensors of the layout above from per-sample lists."""
+    n = len(prompts)
+    if not n or not len(outputs) == len(logprobs) == len(versions) == len(rewards) == n:
+        raise ValueError(
+            f"a group needs equal, non-zero counts; got {n} prompts, "
+            f"{len(outputs)} outputs, {len(rewards)} rewards"
+        )
+    lengths = [len(p) + len(o) for p, o in zip(prompts, outputs, strict=True)]
+    L = max(lengths)
+    out = {
+        "input_ids": torch.zeros(n, L, dtype=torch.int64),
+        "attention_mask": torch.zeros(n, L, dtype=torch.bool),
+        "loss_mask": torch.zeros(n, L, dtype=torch.bool),
+        "logprobs": torch.zeros(n, L, dtype=torch.float32),
+        "versions": torch.full((n, L), -1, dtype=torch.int32),
+        "rewards": torch.tensor(rewards, dtype=torch.float32),
+    }
+    for i, (p, o) in enumerate(zip(prompts, outputs, strict=True)):
+        if len(logprobs[i]) != len(o) or len(versions[i]) != len(o):
+            raise ValueError(
+                f"sample {i}: {len(o)} tokens but {len(logprobs[i])} log-probs and "
+                f"{len(versions[i])} versions"
+            )
+        P, T = len(p), len(p) + len(o)
+        out["input_ids"][i, :T] = torch.tensor(p + o, dtype=torch.int64)
+        out["attention_mask"][i, :T] = True
+        out["loss_mask"][i, P:T] = True
+        out["logprobs"][i, P:T] = torch.tensor(logprobs[i], dtype=torch.float32)
+        out["versions"][i, P:T] = torch.tensor(versions[i], dtype=torch.int32)
+    return out

@@ -1,0 +1,34 @@
+"""A tiny random Llama with SmolLM2's real tokenizer (chat template, eos), for fast loop tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def make_tiny_model(path: Path, seed: int = 0) -> str:
+    """Save a 2-layer, 64-wide random Llama plus SmolLM2-135M-Instruct's tokenizer at ``path``."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from arl.engines.model import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct"))
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
