@@ -1,0 +1,444 @@
+"""Own one inference-server subprocess: start it, wait until it is healthy, end it.
+
+The server runs in its own process group (a new session), so ending it reaches every process
+it spawned: SIGTERM to the group, then SIGKILL to whatever is left after a grace period. The
+server also ends when its owner does: an ``atexit`` hook stops servers still running at a clean
+interpreter exit, and on Linux the server gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``) if
+the owner dies without running it (SIGKILL, a crash). The kernel sends that signal when the
+*thread* that spawned the server exits, so start servers from the thread that owns them (the
+event loop's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import ctypes
+import json as _json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_POLL_S = 0.05
+
+
+class ServerError(RuntimeError):
+    """An inference server could not be started, answered an error, or is gone."""
+
+
+class ServerStartError(ServerError):
+    """The server exited or did not become healthy in time; the message ends with its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (another process may still take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def process_group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) pids whose process group is ``pgid``; Linux, via /proc."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # the process ended while we looked
+            continue
+        # Fields after the parenthesised command name: state ppid pgrp ...
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+class ServerProcess:
+    """One server subprocess in its own process group, with health wait and a sure shutdown.
+
+    `start` spawns ``argv`` with stdout and stderr going to ``log_path``, then polls
+    ``GET http://host:port{health_path}`` until it answers 200. `stop` (or `stop_sync`) ends the
+    whole process group.
+    """
+
+    _live: set[ServerProcess] = set()  # servers to end at interpreter exit
+    _atexit_registered = False
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        host: str,
+        port: int,
+        health_path: str = "/health",
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        log_path: str | None = None,
+        name: str = "server",
+    ) -> None:
+        if not argv:
+            raise ValueError("argv is empty: give the command that starts the server")
+        self.argv = [str(a) for a in argv]
+        self.host = host
+        self.port = port
+        self.health_path = health_path
+        self.env = dict(env) if env is not None else None
+        self.cwd = cwd
+        self.name = name
+        # Without a log_path, `start` makes a temp file; it is removed after a clean stop and
+        # kept when the server failed, for the post-mortem the error message points to.
+        self._owns_log = log_path is None
+        self.log_path = log_path
+        self._proc: subprocess.Popen | None = None
+        self._healthy = False
+
+    @property
+    def base_url(self) -> str:
+        """``http://host:port`` of the server."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        """The server's pid (also its process group id), or None before `start`."""
+        return self._proc.pid if self._proc is not None else None
+
+    def running(self) -> bool:
+        """True while the server's main process has not exited."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def log_tail(self, n_chars: int = 3000) -> str:
+        """The last ``n_chars`` of the server's log."""
+        if self.log_path is None:
+            return "<no log: the server was not started>"
+        try:
+            with open(self.log_path, "rb") as fh:
+                fh.seek(0, os.SEEK_END)
+                fh.seek(max(0, fh.tell() - n_chars))
+                return fh.read().decode("utf-8", "replace")
+        except OSError as exc:
+            return f"<log {self.log_path} unreadable: {exc}>"
+
+    async def start(self, timeout_s: float) -> None:
+        """Spawn the server and wait until its health endpoint answers 200.
+
+        Raises `ServerStartError` (and ends the server) if it exits first or is not healthy
+        within ``timeout_s`` seconds.
+        """
+        if self._proc is not None:
+            raise ServerError(f"{self.name} was already started (pid {self._proc.pid})")
+        env = None if self.env is None else {**os.environ, **self.env}
+        if self.log_path is None:
+            fd, self.log_path = tempfile.mkstemp(prefix=f"arl-{self.name}-", suffix=".log")
+            os.close(fd)
+        log.info("starting %s: %s (log %s)", self.name, " ".join(self.argv), self.log_path)
+        with open(self.log_path, "ab") as log_fh:
+            try:
+                # Spawned on this (the loop's) thread, not in an executor: the parent-death
+                # signal fires when the spawning thread exits. fork+exec is brief.
+                self._proc = subprocess.Popen(
+                    self.argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_fh,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=self.cwd,
+                    start_new_session=True,
+                    preexec_fn=_death_signal_hook(),
+                )
+            except OSError as exc:
+                if self._owns_log:
+                    os.unlink(self.log_path)  # empty: nothing ran
+                raise ServerStartError(
+                    f"cannot run {self.argv[0]!r} to start {self.name}: {exc}; check the "
+                    "python executable / command configured for this engine"
+                ) from exc
+        ServerProcess._track(self)
+        try:
+            await self._wait_healthy(timeout_s)
+        except BaseException:
+            await self.stop()
+            raise
+        self._healthy = True
+        log.info("%s healthy at %s (pid %d)", self.name, self.base_url, self._proc.pid)
+
+    async def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        url = self.base_url + self.health_path
+        probe_timeout = aiohttp.ClientTimeout(total=5)
+        async with aiohttp.ClientSession(timeout=probe_timeout) as session:
+            while True:
+                code = self._proc.poll()
+                if code is not None:
+                    raise ServerStartError(
+                        f"{self.name} exited with code {code} before it became healthy; "
+                        f"command: {' '.join(self.argv)}\n--- {self.log_path} (tail) ---\n"
+                        f"{self.log_tail()}"
+                    )
+                try:
+                    async with session.get(url) as resp:
+                        if resp.status == 200:
+                            return
+                except (TimeoutError, aiohttp.ClientError):
+                    pass  # not listening yet
+                if time.monotonic() > deadline:
+                    raise ServerStartError(
+                        f"{self.name} was not healthy at {url} within {timeout_s:.0f} s; raise "
+                        f"the start timeout if it is just slow\n--- {self.log_path} (tail) ---\n"
+                        f"{self.log_tail()}"
+                    )
+                await asyncio.sleep(0.5)
+
+    async def stop(self, grace_s: float = 15.0) -> None:
+        """End the server's whole process group: SIGTERM, then SIGKILL after ``grace_s``.
+
+        Safe to call more than once.
+        """
+        if self._proc is None:
+            return
+        clean = self._proc.poll() is None and self._healthy
+        pgid = self._proc.pid
+        self._signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while self._group_alive(pgid) and time.monotonic() < deadline:
+            await asyncio.sleep(_POLL_S)
+        self._finish(pgid, clean)
+
+    def stop_sync(self, grace_s: float = 5.0) -> None:
+        """Blocking `stop`, for interpreter exit and other places without an event loop."""
+        if self._proc is None:
+            return
+        clean = self._proc.poll() is None and self._healthy
+        pgid = self._proc.pid
+        self._signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while self._group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        self._finish(pgid, clean)
+
+    def _finish(self, pgid: int, clean: bool) -> None:
+        if self._group_alive(pgid):
+            log.warning("%s (pgid %d) ignored SIGTERM; sending SIGKILL", self.name, pgid)
+            self._signal_group(signal.SIGKILL)
+            self._proc.wait()
+        ServerProcess._live.discard(self)
+        if clean and self._owns_log:
+            with contextlib.suppress(OSError):
+                os.unlink(self.log_path)
+        self._healthy = False
+
+    def _group_alive(self, pgid: int) -> bool:
+        self._proc.poll()  # reap the leader so it does not linger as a zombie
+        if sys.platform.startswith("linux"):
+            return bool(process_group_members(pgid))
+        return self._proc.returncode is None
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        try:
+            os.killpg(self._proc.pid, sig)
+        except ProcessLookupError:
+            pass  # the group is already gone
+        except PermissionError:
+            # pgid reused by a process we do not own: our group is gone, leave it alone.
+            pass
+
+    @classmethod
+    def _track(cls, server: ServerProcess) -> None:
+        cls._live.add(server)
+        if not cls._atexit_registered:
+            atexit.register(cls._stop_all)
+            cls._atexit_registered = True
+
+    @classmethod
+    def _stop_all(cls) -> None:
+        for server in list(cls._live):
+            server.stop_sync()
+
+
+def _death_signal_hook():
+    """A ``preexec_fn`` that sets the parent-death signal, or None where prctl does not exist.
+
+    prctl is looked up here, in the parent: the child, between fork and exec, must not load
+    libraries (a lock held by another parent thread at fork time would deadlock it).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return hook
+
+
+class HttpServerEngine:
+    """What the server-backed engines (vllm, sglang) share: their server, an HTTP session, the
+    pause gate and version stamping. Subclasses add `agenerate` and the server's endpoints."""
+
+    # Version stamping: weights change only while paused, and both servers return from their
+    # pause call only after every running request has been aborted and answered. So a
+    # response's tokens were generated in the running window in which the response arrived,
+    # whose version is `_window_version`: `version` as it was at the last `resume` (or at a
+    # `set_version` while running). A request that reaches the server just after a pause is
+    # held there and runs after the resume, so the new window's version is right for it too.
+
+    engine_name = "server"
+
+    def __init__(
+        self,
+        server: ServerProcess,
+        *,
+        start_timeout_s: float,
+        request_timeout_s: float,
+        max_connections: int,
+    ) -> None:
+        self.server = server
+        self.version = 0
+        self._window_version = 0
+        self._start_timeout_s = start_timeout_s
+        self._request_timeout_s = request_timeout_s
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._inflight = 0
+
+    @property
+    def base_url(self) -> str:
+        """``http://host:port`` of the server."""
+        return self.server.base_url
+
+    async def start(self) -> None:
+        """Start the server and wait until it is healthy (``start_timeout_s``)."""
+        await self.server.start(self._start_timeout_s)
+        # No total timeout on the session: a long generation is not an error. Control calls set
+        # their own timeout.
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self._max_connections),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),
+        )
+
+    async def close(self) -> None:
+        """Close the HTTP session and end the server (its whole process group)."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        await self.server.stop()
+
+    async def __aenter__(self):
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    def set_version(self, version: int) -> None:
+        """Set the policy version stamped on tokens generated from now on."""
+        self.version = version
+        if self._resumed.is_set():
+            self._window_version = version
+
+    async def pause(self) -> None:
+        """Hold new requests here and abort in-flight ones on the server (they return "abort")."""
+        self._resumed.clear()
+        await self._server_pause()
+
+    async def resume(self) -> None:
+        """Open the new running window at the current version and let requests through."""
+        self._window_version = self.version
+        await self._server_resume()
+        self._resumed.set()
+
+    async def health(self) -> dict:
+        """Server liveness and engine state; raises `ServerError` if the server is unusable."""
+        if not self.server.running():
+            raise ServerError(
+                f"{self.engine_name} server (pid {self.server.pid}) is not running; see its log "
+                f"{self.server.log_path}"
+            )
+        await self._request("GET", self._health_path())
+        return {
+            "engine": self.engine_name,
+            "url": self.base_url,
+            "pid": self.server.pid,
+            "version": self.version,
+            "paused": not self._resumed.is_set(),
+            "inflight": self._inflight,
+        }
+
+    def _health_path(self) -> str:
+        """The endpoint `health` probes; servers whose health check generates override it."""
+        return self.server.health_path
+
+    async def _server_pause(self) -> None:
+        raise NotImplementedError
+
+    async def _server_resume(self) -> None:
+        raise NotImplementedError
+
+    async def _admit(self) -> None:
+        """Wait while paused: a request sent now would only be held by the server."""
+        await self._resumed.wait()
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise ServerError(
+                f"{self.engine_name} engine is not started (or closed): call `await "
+                "engine.start()` or use `async with`"
+            )
+        return self._session
+
+    def _control_timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=self._request_timeout_s)
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: object = None,
+        params: Mapping[str, str] | None = None,
+        control: bool = True,
+    ) -> object:
+        """Send one request; return the decoded JSON body (or the text when it is not JSON).
+
+        Raises `ServerError` naming the endpoint, the status and the server's message on any
+        status other than 200.
+        """
+        timeout = self._control_timeout() if control else None
+        url = self.base_url + path
+        try:
+            async with self._http().request(
+                method, url, json=json, params=params, timeout=timeout
+            ) as resp:
+                text = await resp.text()
+                if resp.status != 200:
+                    raise ServerError(
+                        f"{self.engine_name} {method} {path} failed with HTTP {resp.status}: "
+                        f"{text[:1000]}"
+                    )
+        except aiohttp.ClientError as exc:
+            alive = "running" if self.server.running() else "not running"
+            raise ServerError(
+                f"{self.engine_name} {method} {path} at {self.base_url} failed: {exc!r} (server "
+                f"{alive}; log {self.server.log_path})"
+            ) from exc
+        if resp.content_type == "application/json":
+            return _json.loads(text)
+        return text

