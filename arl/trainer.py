@@ -134,6 +134,7 @@ class PPOTrainer:
                 model_path=model_path,
                 engine=engine,
                 engine_kwargs=kw,
+                workflow=cfg.rollout.workflow,
                 reward=cfg.rollout.reward,
                 sampling=sampling,
                 n_samples=cfg.gconfig.n_samples,
@@ -338,6 +339,7 @@ class PPOTrainer:
             "rollout/failed": s.failed,
             "rollout/stale_dropped": s.stale_dropped,
             "rollout/stale_kept": s.stale_kept,
+            "batch/data_ids": [i["data_id"] for i in infos],
         }
 
     def _node_gauges(self) -> dict:

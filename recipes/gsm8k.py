@@ -25,6 +25,7 @@ def make_config() -> Config:
     cfg.data.batch_size = 4  # prompt groups per step
     cfg.gconfig.n_samples = 4  # group size
     cfg.gconfig.max_new_tokens = 256
+    cfg.actor.max_tokens_per_mb = 4096  # bounds the logits memory of one micro-batch
     cfg.rollout.max_head_offpolicyness = 2  # eta
     cfg.rollout.workflow = "arl.workflows.rlvr:RLVRWorkflow"
     cfg.rollout.reward = "arl.rewards.gsm8k:gsm8k_reward"

@@ -65,17 +65,12 @@ def node_env(spec: NodeSpec, cfg: Config) -> dict[str, str]:
     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, spec.gpu_ids))}
     threads = cfg.cluster.cpu_threads_per_node
     if threads is None and not spec.gpu_ids:
-        threads = max(1, (os.cpu_count() or 1) // max(1, spec_count(cfg)))
+        # Every node gets every core: rollout and training mostly take turns on a small CPU
+        # machine, and a node held to cores/n runs its phase n times slower.
+        threads = os.cpu_count() or 1
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     return env
-
-
-def spec_count(cfg: Config) -> int:
-    """How many nodes the config asks for (rollout replicas + train ranks)."""
-    from arl.config import parse_backend
-
-    return parse_backend(cfg.rollout.backend).dp + parse_backend(cfg.actor.backend).world_size
 
 
 @asynccontextmanager

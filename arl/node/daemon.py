@@ -235,7 +235,14 @@ class NodeDaemon:
             if time.monotonic() - self._last_heard > self.heartbeat_timeout:
                 self.stop(f"controller silent for more than {self.heartbeat_timeout}s")
                 return
-            await self._send(Message("hb", 0, "hb", self.stats()))
+            # Bounded: with no link to the controller (e.g. refused at the handshake, after which
+            # libzmq does not reconnect) a send waits forever, and this loop must keep checking.
+            try:
+                await asyncio.wait_for(
+                    self._send(Message("hb", 0, "hb", self.stats())), self.heartbeat_interval
+                )
+            except TimeoutError:
+                pass
 
     async def _recv_loop(self) -> None:
         while True:
@@ -420,7 +427,11 @@ def main(argv: list[str] | None = None) -> int:
         runner = asyncio.run
     reason = runner(node.run())
     log.info("node %s exited: %s", node.node_id, reason)
-    return 0
+    logging.shutdown()
+    # Sockets, shards and hosted objects are closed by now. The engine thread may still be
+    # inside a long torch call that cannot be interrupted; the interpreter would wait for it
+    # at exit, so leave without joining it.
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ the tensors stay here until a train rank pulls them.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
+import json
 import logging
 import time
 from typing import Any
@@ -19,9 +21,14 @@ import torch
 from arl.engines.base import SamplingParams
 from arl.node.daemon import resolve_import
 from arl.workflows.base import TRAJECTORY_KEYS
-from arl.workflows.rlvr import RLVRWorkflow
 
 log = logging.getLogger("arl.rollout")
+
+
+def data_id(row: dict) -> str:
+    """A short stable id of a dataset row (its prompt), for logs and batch-order checks."""
+    blob = json.dumps(row.get("messages", row), sort_keys=True, default=str)
+    return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
 
 class RolloutWorker:
@@ -33,6 +40,7 @@ class RolloutWorker:
         model_path: str,
         engine: str = "arl.engines.hf:HFEngine",
         engine_kwargs: dict | None = None,
+        workflow: str = "arl.workflows.rlvr:RLVRWorkflow",
         reward: str = "arl.rewards.gsm8k:gsm8k_reward",
         sampling: dict | None = None,
         n_samples: int = 4,
@@ -41,13 +49,13 @@ class RolloutWorker:
     ):
         self.model_path = model_path
         self.engine_target, self.engine_kwargs = engine, dict(engine_kwargs or {})
-        self.reward_target = reward
+        self.reward_target, self.workflow_target = reward, workflow
         self.sampling = SamplingParams(**(sampling or {}))
         self.n_samples, self.max_prompt_len = n_samples, max_prompt_len
         self.prompt_overflow = prompt_overflow
         self.node: Any = None
         self.engine: Any = None
-        self.workflow: RLVRWorkflow | None = None
+        self.workflow: Any = None
         self.groups_done = 0
         self.groups_failed = 0
 
@@ -62,6 +70,7 @@ class RolloutWorker:
         prefixes = self.node.allowed_prefixes if self.node else ("arl.",)
         engine_cls = resolve_import(self.engine_target, prefixes)
         reward_fn = resolve_import(self.reward_target, prefixes)
+        workflow_cls = resolve_import(self.workflow_target, prefixes)
         loop = asyncio.get_running_loop()
         # Model loading blocks: keep it off the event loop.
         tokenizer = await loop.run_in_executor(None, AutoTokenizer.from_pretrained, self.model_path)
@@ -71,11 +80,14 @@ class RolloutWorker:
             self.engine = await loop.run_in_executor(
                 None, lambda: engine_cls(self.model_path, **self.engine_kwargs)
             )
+        start = getattr(self.engine, "start", None)
+        if inspect.iscoroutinefunction(start):  # server engines (vllm, sglang) start a process
+            await start()
         stop = set(self.sampling.stop_token_ids)
         if tokenizer.eos_token_id is not None:
             stop.add(int(tokenizer.eos_token_id))
         self.sampling.stop_token_ids = sorted(stop)
-        self.workflow = RLVRWorkflow(
+        self.workflow = workflow_cls(
             tokenizer,
             reward_fn,
             self.sampling,
@@ -105,6 +117,7 @@ class RolloutWorker:
             "min_version": int(versions.min()) if versions.numel() else -1,
             "max_version": int(versions.max()) if versions.numel() else -1,
             "seconds": time.monotonic() - t0,
+            "data_id": data_id(data),
             "sample_text": texts[0][:500] if texts else "",
         }
 

@@ -179,3 +179,19 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_two_controllers_in_one_loop_do_not_share_state():
+    async def main():
+        async with local_cluster(1) as (ctl_a, nodes_a, _), local_cluster(1) as (ctl_b, nodes_b, _):
+            assert ctl_a.address != ctl_b.address
+            assert ctl_a.security.secret != ctl_b.security.secret
+            a = await nodes_a[0].create("tests.support.objects:Echo", "a")
+            b = await nodes_b[0].create("tests.support.objects:Echo", "b")
+            assert await asyncio.gather(a.pid(), b.pid()) == [
+                nodes_a[0].info["pid"],
+                nodes_b[0].info["pid"],
+            ]
+            assert len(ctl_a.live_nodes()) == len(ctl_b.live_nodes()) == 1
+
+    asyncio.run(main())
