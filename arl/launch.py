@@ -58,19 +58,27 @@ def detect_gpus(cfg: Config) -> int:
 
 
 def _run(cfg: Config) -> int:
-    try:
-        from arl.trainer import run
-    except ModuleNotFoundError as e:
-        if e.name != "arl.trainer":
-            raise
-        print("the training loop is not built yet; use --dry-run", file=sys.stderr)
-        return 2
+    from arl.control.controller import NodeLost, RemoteError
+    from arl.control.rollout import RolloutFailed
+    from arl.trainer import run
+
     try:
         import uvloop
     except ModuleNotFoundError:
-        asyncio.run(run(cfg))
+        runner = asyncio.run
     else:
-        uvloop.run(run(cfg))
+        runner = uvloop.run
+    try:
+        runner(run(cfg))
+    except (NodeLost, RolloutFailed, RemoteError) as e:
+        # The cluster is down by now (every node was ended); say what failed, where.
+        print(f"error: the run stopped: {e}", file=sys.stderr)
+        if cfg.recover.mode == "auto":
+            print(
+                "recovery is on: run the same command again to resume from the last checkpoint",
+                file=sys.stderr,
+            )
+        return 1
     return 0
 
 

@@ -230,12 +230,14 @@ class PPOTrainer:
             metrics.update(self._node_gauges())
             if cfg.evaluator.freq_steps and self.step % cfg.evaluator.freq_steps == 0:
                 metrics.update(await self.evaluate())
+            # Logged before the checkpoint: a crash in between repeats this step's line after
+            # recovery rather than losing it.
+            self.stats.log(self.step, metrics)
+            self._update_progress(metrics)
             if cfg.saver.freq_steps and self.step % cfg.saver.freq_steps == 0:
                 await self.save_hf()
             if cfg.recover.mode == "auto" and self.step % cfg.recover.freq_steps == 0:
                 await self.save_recovery()
-            self.stats.log(self.step, metrics)
-            self._update_progress(metrics)
         if cfg.saver.hf_export:
             await self.save_hf()
 

@@ -11,6 +11,8 @@ scaled by 10, normalised within each group, advantages normalised over the batch
 
 from pathlib import Path
 
+import torch
+
 from arl.config import Config
 
 # The repo's shared copy of GSM8K (train.jsonl, test.jsonl) when present; else the hub dataset.
@@ -22,10 +24,10 @@ def make_config() -> Config:
     cfg = Config()
     cfg.experiment.name = "gsm8k-grpo"
     cfg.data.path = str(LOCAL_GSM8K.resolve()) if LOCAL_GSM8K.is_dir() else "openai/gsm8k"
-    cfg.data.batch_size = 4  # prompt groups per step
+    cfg.experiment.total_train_steps = 200
+    cfg.data.batch_size = 64  # prompt groups per step
     cfg.gconfig.n_samples = 4  # group size
-    cfg.gconfig.max_new_tokens = 256
-    cfg.actor.max_tokens_per_mb = 4096  # bounds the logits memory of one micro-batch
+    cfg.gconfig.max_new_tokens = 1024
     cfg.rollout.max_head_offpolicyness = 2  # eta
     cfg.rollout.workflow = "arl.workflows.rlvr:RLVRWorkflow"
     cfg.rollout.reward = "arl.rewards.gsm8k:gsm8k_reward"
@@ -36,4 +38,10 @@ def make_config() -> Config:
     cfg.actor.reward_scaling = 10.0
     cfg.actor.reward_norm_mean = cfg.actor.reward_norm_std = "group"
     cfg.actor.adv_norm_mean = cfg.actor.adv_norm_std = "batch"
+    if not torch.cuda.is_available():
+        # The embedded CPU default: three small steps, a few minutes on two cores.
+        cfg.experiment.total_train_steps = 3
+        cfg.data.batch_size = 4
+        cfg.gconfig.max_new_tokens = 128
+        cfg.actor.max_tokens_per_mb = 2048  # bounds the fp32 logits of one micro-batch
     return cfg

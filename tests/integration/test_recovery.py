@@ -81,7 +81,8 @@ def test_killed_launcher_resumes_at_next_step_with_same_batches(tmp_path, tiny_m
     rows = _metrics(rec_dir)
     steps = [r["step"] for r in rows]
     assert steps[-2:] == [3, 4] and steps.count(3) == 1, steps
-    resumed = {r["step"]: r for r in rows}
+    resumed = {r["step"]: r for r in rows}  # a step logged twice keeps its last line
+    assert set(resumed) == {1, 2, 3, 4}
     for step in (1, 2, 3, 4):
         assert resumed[step]["batch/data_ids"] == ref[step - 1]["batch/data_ids"], step
     # No burst: the staleness counters were restored, so by the end of step 3 (version 3) the

@@ -1,12 +1,8 @@
 """``python -m arl.launch`` as a user runs it: exit codes, output, errors without tracebacks."""
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
-import yaml
 
 from arl.config import from_yaml
 
@@ -126,20 +122,3 @@ def test_bad_arguments_exit_2():
     assert r.returncode == 2 and "unknown option --dry-runn" in r.stderr
     r = launch("recipes/gsm8k.py", "--dry-run", "actor.lr")
     assert r.returncode == 2 and "not key=value" in r.stderr
-
-
-@pytest.mark.skipif(
-    importlib.util.find_spec("arl.trainer") is not None, reason="the training loop exists"
-)
-def test_real_run_saves_config_then_says_the_trainer_is_missing(tmp_path):
-    r = launch(
-        "recipes/gsm8k.py",
-        f"experiment.run_dir={tmp_path}",
-        "experiment.trial=t1",
-        "cluster.n_gpus=0",
-    )
-    saved = tmp_path / "gsm8k-grpo" / "t1" / "config.yaml"
-    assert saved.is_file()
-    assert yaml.safe_load(saved.read_text())["experiment"]["trial"] == "t1"
-    assert r.returncode == 2
-    assert "the training loop is not built yet; use --dry-run" in r.stderr
