@@ -42,10 +42,11 @@ from arl.wire.sockets import Security, host_id, make_socket
 
 log = logging.getLogger(__name__)
 
-# Measured with `python -m arl.bench rtensor --chunk-mib ...` (see the report in the README):
-# small enough that the client copies one chunk while the next is in flight, large enough
-# that per-message costs vanish.
-DEFAULT_CHUNK_BYTES = 4 << 20
+# Chosen by `python -m arl.bench rtensor --chunk-mib 1 4 16 64`: 1 MiB was fastest on a 2-core
+# VM and on a 16-core H200 host (there 1.1-1.2x a raw socket; 4 MiB 0.8-1.0x, 64 MiB 0.4-0.5x).
+# libzmq allocates every received message; small chunks reuse malloc'd memory, big ones fault
+# in fresh pages, and the client copies one chunk while the next is on the wire.
+DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_TIMEOUT = 30.0
 _RECV_QUEUE = 16  # messages
 
@@ -397,7 +398,7 @@ class DataPlaneClient:
                         unmapped.append(metas[i].key)
                 else:
                     streamed.append(i)
-                    buffers[i] = _anonymous(sizes[i])
+                    buffers[i] = self.store.take_buffer(sizes[i])
             targets = [memoryview(buffers[i]) for i in streamed]
             for _ in range(n_chunks):
                 msg, frames = await self._next(peer, q, keys[0])
@@ -406,22 +407,16 @@ class DataPlaneClient:
                     raise ShardUnavailable(peer.node, keys[0], "malformed chunk from owner")
                 for (b, off, n), frame in zip(parts, frames, strict=True):
                     buf = frame.buffer
-                    if not 0 <= b < len(targets) or buf.nbytes != n or off + n > len(targets[b]):
+                    if not 0 <= b < len(targets) or buf.nbytes != n or off + n > sizes[streamed[b]]:
                         raise ShardUnavailable(peer.node, keys[0], "chunk outside its shard")
                     targets[b][off : off + n] = buf
         finally:
             peer.pending.pop(mid, None)
         for i, buf in buffers.items():
-            if self.store.add_copy(metas[i], slots[i], buf):
+            pooled = "segment" not in descs[i]
+            if self.store.add_copy(metas[i], slots[i], buf, sizes[i], pooled=pooled):
                 added.append(metas[i].key)
         return unmapped
-
-
-def _anonymous(size: int) -> mmap.mmap:
-    buf = mmap.mmap(-1, size)
-    if size >= 2 << 20:  # huge pages: 512x fewer page faults while the chunks land
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    return buf
 
 
 # ---- a node's data plane, as one service ---------------------------------------------------------

@@ -1,0 +1,329 @@
+"""Shard pulls over the real data plane: ROUTER server task, DEALER client, tcp on 127.0.0.1."""
+
+import asyncio
+import os
+import subprocess
+import sys
+import uuid
+from contextlib import asynccontextmanager
+
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+
+from arl.control.rtensor import RTensor, ShardRef
+from arl.node.data_plane import DataPlaneClient, DataPlaneServer, ShardUnavailable, plan_chunks
+from arl.node.shard_store import ShardStore, sweep_orphans
+from arl.wire.sockets import Authenticator, Security, bind_tcp, make_socket, new_secret
+
+# Shared verbatim with the owner subprocess, so both sides build the same tensors.
+MAKE_SHARDS = """
+def make_shards(n, big=20_000):
+    import torch
+    out = {}
+    for i in range(n):
+        g = torch.Generator().manual_seed(i)
+        L = big if i == 1 else 5 + 37 * i
+        out[f"g{i}"] = {
+            "input_ids": torch.randint(0, 2**31, (4, L), generator=g),
+            "logprobs": torch.randn(4, L, generator=g).to(torch.bfloat16),
+            "f16": torch.randn(3, L, generator=g).half(),
+            "mask": torch.rand(4, L, generator=g) > 0.5,
+            "adv": torch.randn(4, generator=g, dtype=torch.float64),
+            "i32": torch.randint(-5, 5, (L,), generator=g, dtype=torch.int32),
+            "u8": torch.randint(0, 255, (L,), generator=g, dtype=torch.uint8),
+            "scalar": torch.tensor(float(i)),
+            "empty": torch.empty(0, 2),
+        }
+    return out
+"""
+exec(MAKE_SHARDS)
+CHUNK = 64 << 10  # small, so the big shard spans several chunks and small ones share one
+
+
+def _run_id() -> str:
+    return f"t{uuid.uuid4().hex[:8]}"
+
+
+def _held(store: ShardStore) -> tuple[int, int]:
+    st = store.stats()
+    return st["bytes_held"], st["n_shards"]
+
+
+def _assert_bit_identical(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for name, w in want.items():
+        g = got[name]
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        assert torch.equal(g.reshape(-1).view(torch.uint8), w.reshape(-1).view(torch.uint8)), name
+
+
+def _refs(node: str, store: ShardStore, keys: list[str]) -> list[ShardRef]:
+    return [ShardRef.from_meta(node, store.entry(k).meta) for k in keys]
+
+
+@asynccontextmanager
+async def _node(ctx: zmq.asyncio.Context, security: Security, node_id: str, run_id: str):
+    """A store served on 127.0.0.1, with a client: one node's data plane in this process."""
+    store = ShardStore(run_id, node_id)
+    sock = make_socket(ctx, zmq.ROUTER, security, server=True)
+    addr = bind_tcp(sock, "127.0.0.1")
+    server = DataPlaneServer(store, sock, chunk_bytes=CHUNK)
+    server.start()
+    client = DataPlaneClient(store, ctx=ctx, security=security, timeout=5.0)
+    try:
+        yield store, addr, client
+    finally:
+        await client.close()
+        await server.close()
+        sock.close(0)
+        store.close()
+
+
+@asynccontextmanager
+async def _context():
+    ctx = zmq.asyncio.Context()
+    security = Security(new_secret())
+    auth = Authenticator(ctx, security)
+    try:
+        yield ctx, security
+    finally:
+        auth.stop()
+        ctx.term()
+
+
+def test_plan_chunks_packs_small_and_splits_large() -> None:
+    assert plan_chunks([3, 10, 2], 4) == [
+        [[0, 0, 3], [1, 0, 1]],
+        [[1, 1, 4]],
+        [[1, 5, 4]],
+        [[1, 9, 1], [2, 0, 2]],
+    ]
+    assert plan_chunks([], 4) == [] and plan_chunks([0, 0], 4) == []
+
+
+@pytest.mark.parametrize("force_tcp", [False, True], ids=["shm", "tcp"])
+def test_pull_in_one_process_is_bit_identical(force_tcp: bool) -> None:
+    async def main() -> None:
+        run_id = _run_id()
+        shards = make_shards(5)  # noqa: F821 (defined by exec above)
+        async with (
+            _context() as (ctx, sec),
+            _node(ctx, sec, "owner", run_id) as (
+                owner,
+                addr,
+                _,
+            ),
+            _node(ctx, sec, "trainer", run_id) as (mine, _, client),
+        ):
+            client.force_tcp = force_tcp
+            for k, s in shards.items():
+                owner.put(k, s)
+            keys = list(shards)
+            refs = _refs("owner", owner, keys) + _refs("owner", owner, keys[:2])  # repeats
+            batch = RTensor(refs, peers={"owner": addr})
+            got = await client.pull(batch)
+            assert len(got) == len(refs)
+            for ref, tensors in zip(refs, got, strict=True):
+                _assert_bit_identical(tensors, shards[ref.key])
+            held = owner.stats()["bytes_held"]
+            assert _held(mine) == (held, 5)
+
+            # Shared memory maps the owner's pages; tcp gave the consumer its own bytes.
+            owner.get("g0")["u8"][0] = 255 - shards["g0"]["u8"][0]
+            changed = mine.get("g0")["u8"][0] != shards["g0"]["u8"][0]
+            assert bool(changed) is (not force_tcp)
+
+            # The owner frees; the consumer's copies stay valid until it frees them too.
+            owner.free(keys)
+            _assert_bit_identical(mine.get("g1"), shards["g1"])
+            assert mine.free(keys + keys) == held
+            assert _held(mine) == (0, 0)
+
+    asyncio.run(main())
+
+
+def test_pull_from_several_owners_and_missing_key() -> None:
+    async def main() -> None:
+        run_id = _run_id()
+        shards = make_shards(4, big=3000)  # noqa: F821
+        async with (
+            _context() as (ctx, sec),
+            _node(ctx, sec, "r0", run_id) as (
+                r0,
+                a0,
+                _,
+            ),
+            _node(ctx, sec, "r1", run_id) as (r1, a1, _),
+            _node(ctx, sec, "t0", run_id) as (
+                mine,
+                _,
+                client,
+            ),
+        ):
+            r0.put("g0", shards["g0"])
+            r0.put("g2", shards["g2"])
+            r1.put("g1", shards["g1"])
+            r1.put("g3", shards["g3"])
+            refs = [
+                ShardRef.from_meta(n, s.entry(k).meta)
+                for n, s, k in [
+                    ("r0", r0, "g0"),
+                    ("r1", r1, "g1"),
+                    ("r0", r0, "g2"),
+                    ("r1", r1, "g3"),
+                ]
+            ]
+            peers = {"r0": a0, "r1": a1}
+            got = await client.pull(RTensor(refs, peers=peers))
+            for k, tensors in zip(["g0", "g1", "g2", "g3"], got, strict=True):
+                _assert_bit_identical(tensors, shards[k])
+            mine.free(["g0", "g1", "g2", "g3"])
+
+            # A freed key: the error names the owner node and the key; nothing is left behind.
+            r1.free(["g3"])
+            with pytest.raises(ShardUnavailable, match="'g3' on node 'r1'") as e:
+                await client.pull(RTensor(refs, peers=peers))
+            assert e.value.node == "r1" and e.value.key == "g3"
+            assert "does not hold" in str(e.value)
+            assert _held(mine) == (0, 0)
+
+            # An owner the RTensor gives no address for.
+            with pytest.raises(ShardUnavailable, match="no data-plane address"):
+                await client.pull(RTensor(refs[:1], peers={}))
+
+    asyncio.run(main())
+
+
+def test_unmappable_segment_falls_back_to_tcp(tmp_path) -> None:
+    async def main() -> None:
+        run_id = _run_id()
+        shards = make_shards(3, big=3000)  # noqa: F821
+        async with (
+            _context() as (ctx, sec),
+            _node(ctx, sec, "owner", run_id) as (
+                owner,
+                addr,
+                _,
+            ),
+        ):
+            for k, s in shards.items():
+                owner.put(k, s)
+            # Same host id, but the consumer cannot see the owner's /dev/shm (another mount).
+            mine = ShardStore(run_id, "elsewhere", shm_dir=str(tmp_path))
+            client = DataPlaneClient(mine, ctx=ctx, security=sec, timeout=5.0)
+            try:
+                got = await client.pull_shards(_refs("owner", owner, list(shards)), {"owner": addr})
+                for k, tensors in got.items():
+                    _assert_bit_identical(tensors, shards[k])
+                owner.get("g0")["u8"][0] = 255 - shards["g0"]["u8"][0]
+                assert mine.get("g0")["u8"][0] == shards["g0"]["u8"][0]  # its own bytes
+            finally:
+                await client.close()
+                mine.close()
+
+    asyncio.run(main())
+
+
+_OWNER = (
+    MAKE_SHARDS
+    + """
+import asyncio, os, sys
+import zmq, zmq.asyncio
+from arl.node.data_plane import DataPlaneServer
+from arl.node.shard_store import ShardStore, sweep_orphans
+from arl.wire.sockets import Authenticator, Security, bind_tcp, make_socket
+
+async def main():
+    ctx = zmq.asyncio.Context()
+    security = Security(os.environ["ARL_SECRET"])
+    auth = Authenticator(ctx, security)
+    store = ShardStore(sys.argv[1], "rollout-7")
+    for k, s in make_shards(4).items():
+        store.put(k, s)
+    sock = make_socket(ctx, zmq.ROUTER, security, server=True)
+    addr = bind_tcp(sock, "127.0.0.1")
+    server = DataPlaneServer(store, sock, chunk_bytes=int(sys.argv[2]))
+    server.start()
+    print(addr, flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await server.close()
+    sock.close(0)
+    auth.stop()
+    ctx.term()
+    store.close()
+
+asyncio.run(main())
+"""
+)
+
+
+def test_pull_across_processes_shm_and_tcp_then_owner_dies() -> None:
+    run_id = _run_id()
+    secret = new_secret()
+    env = {
+        **os.environ,
+        "ARL_SECRET": secret,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _OWNER, run_id, str(CHUNK)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+    )
+    shards = make_shards(4)  # noqa: F821
+
+    async def main(addr: str) -> None:
+        ctx = zmq.asyncio.Context()
+        security = Security(secret)
+        refs = [
+            ShardRef("rollout-7", k, sum(t.nbytes for t in s.values()), 0)
+            for k, s in shards.items()
+        ]
+        batch = RTensor(refs, peers={"rollout-7": addr})
+        try:
+            for force_tcp in (False, True):
+                store = ShardStore(run_id, f"trainer-{force_tcp}")
+                client = DataPlaneClient(
+                    store, ctx=ctx, security=security, timeout=3.0, force_tcp=force_tcp
+                )
+                got = await client.pull(batch)
+                for ref, tensors in zip(refs, got, strict=True):
+                    _assert_bit_identical(tensors, shards[ref.key])
+                assert store.stats()["n_shards"] == 4
+                # The shm pull maps the owner's 4 segments; the tcp pull maps nothing more.
+                with open("/proc/self/maps") as f:
+                    assert f.read().count(f"/dev/shm/arl-{run_id}-{proc.pid}-") == 4
+                # Keep the shm copies mapped while the owner dies below.
+                if not force_tcp:
+                    shm_store, shm_client = store, client
+                else:
+                    store.free(list(shards))
+                    await client.close()
+                    store.close()
+
+            proc.kill()
+            proc.wait()
+            _assert_bit_identical(shm_store.get("g1"), shards["g1"])  # mapping outlives owner
+            assert len(sweep_orphans(run_id)) == 4  # what the killed owner could not unlink
+            _assert_bit_identical(shm_store.get("g1"), shards["g1"])
+            shm_store.free(list(shards))
+            with pytest.raises(ShardUnavailable, match="'g0' on node 'rollout-7'.*no answer"):
+                await shm_client.pull(batch)
+            await shm_client.close()
+            shm_store.close()
+        finally:
+            ctx.destroy(linger=0)  # also closes sockets a failed assertion left open
+
+    try:
+        addr = proc.stdout.readline().decode().strip()
+        assert addr.startswith("tcp://127.0.0.1:"), addr
+        asyncio.run(main(addr))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        sweep_orphans(run_id)
