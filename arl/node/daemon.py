@@ -53,8 +53,11 @@ class ImportRefused(PermissionError):
     """An import string outside the node's allowed module prefixes."""
 
 
-def resolve_import(target: str, allowed_prefixes: tuple[str, ...]) -> Any:
-    """Import ``pkg.module:Attr`` if ``pkg.module`` is under an allowed prefix."""
+def resolve_import(target: str, allowed_prefixes: tuple[str, ...], import_now: bool = True) -> Any:
+    """Import ``pkg.module:Attr`` if ``pkg.module`` is under an allowed prefix.
+
+    With ``import_now=False`` only the check runs (raises `ImportRefused` or ValueError).
+    """
     module, sep, attr = target.partition(":")
     if not sep or not module or not attr:
         raise ValueError(f"import string {target!r} must look like 'package.module:Name'")
@@ -64,6 +67,8 @@ def resolve_import(target: str, allowed_prefixes: tuple[str, ...]) -> Any:
             f"prefixes {list(allowed_prefixes)}; add its prefix with --allow-import "
             f"(cluster.allowed_import_prefixes)"
         )
+    if not import_now:
+        return None
     obj: Any = importlib.import_module(module)
     for part in attr.split("."):
         obj = getattr(obj, part)
@@ -163,14 +168,17 @@ class NodeDaemon:
             except (NotImplementedError, RuntimeError):  # not the main thread
                 pass
         await self._start_services()
-        await self._send(Message("hello", 0, "hello", self.info()))
         recv = asyncio.create_task(self._recv_loop())
         hb = asyncio.create_task(self._heartbeat_loop())
+        # A task, not awaited here: refused at the handshake, the node has no link and this send
+        # never completes; the heartbeat loop's silence check (and SIGTERM) must still end it.
+        hello = asyncio.create_task(self._send(Message("hello", 0, "hello", self.info())))
         try:
             await self._stop.wait()
         finally:
             recv.cancel()
             hb.cancel()
+            hello.cancel()
             await self._shutdown()
         return self.exit_reason
 
@@ -321,19 +329,22 @@ class NodeDaemon:
                 await self._close_object(a["name"], obj)
             return obj is not None
         raise ValueError(
-            f"unknown node method {method!r}; expected ping, create, call, destroy, free, "
-            "free_port"
+            f"unknown node method {method!r}; expected ping, create, call, destroy, free, free_port"
         )
 
     async def _create(self, name: str, target: str, args: list, kwargs: dict) -> str:
         if name in self.objects:
             raise ValueError(f"object {name!r} already exists on node {self.node_id}")
-        factory = resolve_import(target, self.allowed_prefixes)
+        loop = asyncio.get_running_loop()
+        # Importing (torch, transformers) can take seconds: off the loop, so heartbeats go on.
+        resolve_import(target, self.allowed_prefixes, import_now=False)  # refuse before import
+        factory = await loop.run_in_executor(
+            self.engine_thread, resolve_import, target, self.allowed_prefixes
+        )
         args, kwargs = await self._materialize(args, kwargs)
         if inspect.iscoroutinefunction(factory):
             obj = await factory(*args, **kwargs)
         else:
-            loop = asyncio.get_running_loop()
             obj = await loop.run_in_executor(self.engine_thread, lambda: factory(*args, **kwargs))
         if hasattr(obj, "attach_node"):
             obj.attach_node(self)  # lets rollout workflows reach the shard store and events

@@ -19,6 +19,13 @@ from typing import Any
 import torch
 
 from arl.engines.base import SamplingParams
+from arl.engines.weight_transfer import (
+    BroadcastGroup,
+    BucketLayout,
+    WeightTransferError,
+    receive_buckets,
+    receive_ipc_bucket,
+)
 from arl.node.daemon import resolve_import
 from arl.workflows.base import TRAJECTORY_KEYS
 
@@ -58,6 +65,7 @@ class RolloutWorker:
         self.workflow: Any = None
         self.groups_done = 0
         self.groups_failed = 0
+        self.weight_group: BroadcastGroup | None = None
 
     def attach_node(self, node: Any) -> None:
         """Called by the node after construction: gives access to its store and prefixes."""
@@ -65,15 +73,21 @@ class RolloutWorker:
 
     async def setup(self) -> dict:
         """Load the engine and tokenizer (imports checked against the node's prefixes)."""
-        from transformers import AutoTokenizer
-
         prefixes = self.node.allowed_prefixes if self.node else ("arl.",)
-        engine_cls = resolve_import(self.engine_target, prefixes)
-        reward_fn = resolve_import(self.reward_target, prefixes)
-        workflow_cls = resolve_import(self.workflow_target, prefixes)
         loop = asyncio.get_running_loop()
-        # Model loading blocks: keep it off the event loop.
-        tokenizer = await loop.run_in_executor(None, AutoTokenizer.from_pretrained, self.model_path)
+
+        def load() -> tuple:
+            # Imports (transformers, torch) and model loading take seconds: never on the loop,
+            # or the node's heartbeats stall and the controller declares it lost.
+            from transformers import AutoTokenizer
+
+            engine_cls = resolve_import(self.engine_target, prefixes)
+            reward_fn = resolve_import(self.reward_target, prefixes)
+            workflow_cls = resolve_import(self.workflow_target, prefixes)
+            tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            return engine_cls, reward_fn, workflow_cls, tokenizer
+
+        engine_cls, reward_fn, workflow_cls, tokenizer = await loop.run_in_executor(None, load)
         if inspect.iscoroutinefunction(getattr(engine_cls, "create", None)):
             self.engine = await engine_cls.create(self.model_path, **self.engine_kwargs)
         else:
@@ -167,6 +181,46 @@ class RolloutWorker:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, self.engine.update_weights, named)
 
+    async def open_weight_group(
+        self, host: str, port: int, rank: int, world_size: int, backend: str
+    ) -> None:
+        """Join train rank 0's weight broadcast group as ``rank`` (nccl mode; blocks until all
+        ranks joined, so it runs off the event loop)."""
+        self._need_update_weights("nccl")
+        loop = asyncio.get_running_loop()
+        self.weight_group = await loop.run_in_executor(
+            None, lambda: BroadcastGroup(host, port, rank, world_size, backend)
+        )
+
+    async def receive_weights(self, layouts: list[dict]) -> int:
+        """Receive train rank 0's broadcast, bucket by bucket, into the engine (paused)."""
+        if self.weight_group is None:
+            raise RuntimeError("receive_weights before open_weight_group")
+        plan = [BucketLayout.from_wire(b) for b in layouts]
+        device = self._need_update_weights("nccl")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            None, receive_buckets, self.weight_group, plan, device, self.engine.update_weights
+        )
+
+    async def load_weights_ipc(self, handle: dict, layout: dict) -> int:
+        """Map train rank 0's CUDA bucket buffer and copy it into the engine (paused); the
+        return acknowledges that the buffer may be reused."""
+        self._need_update_weights("ipc")
+        bucket = BucketLayout.from_wire(layout)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            None, receive_ipc_bucket, handle, bucket, self.engine.update_weights
+        )
+
+    def _need_update_weights(self, mode: str) -> torch.device:
+        if not hasattr(self.engine, "update_weights") or not hasattr(self.engine, "device"):
+            raise WeightTransferError(
+                f"weight_sync.mode={mode} copies tensors into an in-process engine; "
+                f"{type(self.engine).__name__} has none (use the hf engine, or zmq/disk)"
+            )
+        return torch.device(self.engine.device)
+
     async def weights_checksum(self) -> str:
         """The engine's weight checksum (tests compare it with the trainer's)."""
         return await asyncio.get_running_loop().run_in_executor(None, self.engine.weights_checksum)
@@ -177,7 +231,10 @@ class RolloutWorker:
         return {**h, "groups_done": self.groups_done}
 
     async def aclose(self) -> None:
-        """End the engine (and any server it started)."""
+        """End the weight group and the engine (and any server it started)."""
+        if self.weight_group is not None:
+            self.weight_group.close()
+            self.weight_group = None
         if self.engine is None:
             return
         close = getattr(self.engine, "aclose", None) or getattr(self.engine, "close", None)

@@ -51,3 +51,45 @@ class Echo:
         with open(path, "w") as f:
             f.write("ran")
         return path
+
+
+def make_group(seed: int, group_size: int, max_len: int) -> dict[str, torch.Tensor]:
+    """A deterministic prompt group (trajectory layout) of random lengths for ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, max_len + 1, (group_size,), generator=g)
+    L = int(lengths.max())
+    att = torch.arange(L)[None, :] < lengths[:, None]
+    return {
+        "input_ids": torch.randint(0, 50_000, (group_size, L), generator=g) * att,
+        "attention_mask": att,
+        "loss_mask": att & (torch.arange(L)[None, :] >= 1),
+        "logprobs": -torch.rand(group_size, L, generator=g) * att,
+        "versions": torch.where(att, 0, -1).to(torch.int32),
+        "rewards": torch.rand(group_size, generator=g),
+    }
+
+
+class ShardLab:
+    """Produces shards into its node's store and consumes pulled ones, for RTensor tests."""
+
+    def attach_node(self, node: object) -> None:
+        """Called by the node: gives access to its shard store."""
+        self.node = node
+
+    def produce(self, key: str, seed: int, group_size: int, max_len: int) -> dict:
+        """Store the group of ``seed`` under ``key``; returns its metadata."""
+        return self.node.store.put(key, make_group(seed, group_size, max_len)).to_wire()
+
+    def digest(self, shards: list[dict]) -> list[float]:
+        """A checksum per pulled shard (the node pulled them for this call)."""
+        return [float(sum(t.double().sum() for t in s.values())) for s in shards]
+
+    def fetch(self, shards: list[dict]) -> list[dict]:
+        """The pulled shards themselves (sent back to the caller)."""
+        return shards
+
+    def stats(self) -> dict:
+        """The store's gauges and this process's resident memory."""
+        with open("/proc/self/status") as f:
+            rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+        return {**self.node.store.stats(), "rss_kb": rss}
