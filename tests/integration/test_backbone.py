@@ -195,3 +195,27 @@ def test_two_controllers_in_one_loop_do_not_share_state():
             assert len(ctl_a.live_nodes()) == len(ctl_b.live_nodes()) == 1
 
     asyncio.run(main())
+
+
+def test_stopped_node_sigstop_is_lost_within_timeout():
+    """A node whose heartbeats stop (SIGSTOP: alive but silent) is declared lost."""
+
+    async def main():
+        async with local_cluster(1, heartbeat_interval=0.2, heartbeat_timeout=2.0) as (
+            ctl,
+            nodes,
+            _procs,
+        ):
+            node = nodes[0]
+            echo = await node.create("tests.support.objects:Echo")
+            os.kill(node.info["pid"], signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(NodeLost) as info:
+                    await asyncio.wait_for(echo.echo(1), 20)
+                assert "no heartbeat" in str(info.value) and node.node_id in str(info.value)
+                assert time.monotonic() - t0 < 20
+            finally:
+                os.kill(node.info["pid"], signal.SIGCONT)
+
+    asyncio.run(main())
