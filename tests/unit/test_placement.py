@@ -30,8 +30,8 @@ def test_cpu_one_node_per_replica_and_rank():
 
 
 def test_cpu_refuses_gpu_only_weight_sync():
-    with pytest.raises(ConfigError, match="weight_sync.mode=nccl needs GPUs"):
-        plan_placement(_cfg("hf:d1", "fsdp:d1", "weight_sync.mode=nccl"), n_gpus=0)
+    with pytest.raises(ConfigError, match="weight_sync.mode=ipc needs GPUs"):
+        plan_placement(_cfg("hf:d1", "fsdp:d1", "weight_sync.mode=ipc"), n_gpus=0)
 
 
 def test_one_gpu_is_shared_by_rollout_and_training():

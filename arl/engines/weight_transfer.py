@@ -1,0 +1,456 @@
+"""Moving full weights between processes without pickle: bucket layouts, a broadcast group of
+its own, and CUDA IPC handles as plain values (DESIGN §6, modes ``nccl`` and ``ipc``).
+
+A *bucket* is a run of consecutive named tensors packed into one contiguous ``uint8`` buffer,
+each at an aligned byte offset. Its `BucketLayout` (names, shapes, dtypes, offsets) is plain
+msgpack-able metadata: the sender fills the buffer with `flatten_bucket`, the buffer crosses
+(an NCCL/gloo broadcast, or a CUDA IPC mapping), and the receiver takes zero-copy views of it
+with `unflatten_bucket` and copies them into its engine. One buffer is reused for every bucket,
+so one bucket is in flight at a time and the extra memory is one bucket, not one model.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Literal
+
+import attrs
+import torch
+
+from arl.wire.codec import dtype_name, parse_dtype
+
+# Byte alignment of every tensor in a bucket: any dtype view of a slice is then aligned, and
+# CUDA copies run on aligned addresses.
+ALIGN = 256
+GroupBackend = Literal["gloo", "nccl"]
+
+
+class WeightTransferError(RuntimeError):
+    """Weights could not be moved: the two sides disagree on the layout, or the link failed."""
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@attrs.frozen
+class TensorSlot:
+    """Where one named tensor lives inside a bucket buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # wire dtype name, e.g. "bfloat16"
+    offset: int  # bytes from the start of the buffer (a multiple of ALIGN)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor's data."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * parse_dtype(self.dtype).itemsize
+
+
+@attrs.frozen
+class BucketLayout:
+    """The tensors of one bucket, in order, and the buffer size they need."""
+
+    slots: tuple[TensorSlot, ...]
+    nbytes: int
+
+    def to_wire(self) -> dict:
+        """Plain values only (msgpack): the receiver needs nothing else to unpack the buffer."""
+        return {
+            "names": [s.name for s in self.slots],
+            "shapes": [list(s.shape) for s in self.slots],
+            "dtypes": [s.dtype for s in self.slots],
+            "offsets": [s.offset for s in self.slots],
+            "nbytes": self.nbytes,
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict) -> BucketLayout:
+        """The inverse of `to_wire`; checks that the slots fit in ``nbytes``."""
+        slots = tuple(
+            TensorSlot(name, tuple(int(x) for x in shape), dtype, int(off))
+            for name, shape, dtype, off in zip(
+                d["names"], d["shapes"], d["dtypes"], d["offsets"], strict=True
+            )
+        )
+        layout = cls(slots, int(d["nbytes"]))
+        for s in slots:
+            if s.offset < 0 or s.offset + s.nbytes > layout.nbytes:
+                raise WeightTransferError(
+                    f"bucket slot {s.name!r} at offset {s.offset} ({s.nbytes} bytes) does not fit "
+                    f"in a {layout.nbytes}-byte bucket: sender and receiver disagree on the layout"
+                )
+        return layout
+
+
+def plan_buckets(
+    specs: Iterable[tuple[str, Sequence[int], torch.dtype]], bucket_bytes: int
+) -> list[BucketLayout]:
+    """Group ``(name, shape, dtype)`` in order into buckets holding at most ``bucket_bytes``.
+
+    A tensor larger than ``bucket_bytes`` gets a bucket of its own. Order is kept, so a sender
+    can fill the buckets from one streamed pass over the weights.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    layouts: list[BucketLayout] = []
+    slots: list[TensorSlot] = []
+    used = 0
+    for name, shape, dtype in specs:
+        slot = TensorSlot(name, tuple(int(d) for d in shape), dtype_name(dtype), 0)
+        if slots and used + slot.nbytes > bucket_bytes:
+            layouts.append(BucketLayout(tuple(slots), used))
+            slots, used = [], 0
+        slots.append(attrs.evolve(slot, offset=used))
+        used = _align(used + slot.nbytes)
+    if slots:
+        layouts.append(BucketLayout(tuple(slots), used))
+    return layouts
+
+
+def new_bucket_buffer(layouts: Sequence[BucketLayout], device: torch.device | str) -> torch.Tensor:
+    """One ``uint8`` buffer large enough for the largest bucket of ``layouts``."""
+    size = max((b.nbytes for b in layouts), default=0)
+    return torch.empty(size, dtype=torch.uint8, device=device)
+
+
+def flatten_bucket(
+    layout: BucketLayout, tensors: Sequence[torch.Tensor], out: torch.Tensor
+) -> torch.Tensor:
+    """Copy ``tensors`` (in slot order, cast to each slot's dtype) into ``out``; returns the
+    filled prefix ``out[:layout.nbytes]``. Copies are asynchronous on CUDA."""
+    if len(tensors) != len(layout.slots):
+        raise WeightTransferError(f"bucket expects {len(layout.slots)} tensors, got {len(tensors)}")
+    if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < layout.nbytes:
+        raise ValueError(
+            f"out must be a 1-D uint8 buffer of >= {layout.nbytes} bytes, got "
+            f"{out.dtype} {tuple(out.shape)}"
+        )
+    for slot, t in zip(layout.slots, tensors, strict=True):
+        if tuple(t.shape) != slot.shape:
+            raise WeightTransferError(
+                f"tensor {slot.name!r} has shape {tuple(t.shape)}, the bucket layout says "
+                f"{slot.shape}: the weights changed shape since the layout was planned"
+            )
+        _slot_view(out, slot).copy_(t.detach(), non_blocking=True)
+    return out[: layout.nbytes]
+
+
+def unflatten_bucket(layout: BucketLayout, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Named views (no copy) of the tensors packed in ``buffer`` by `flatten_bucket`."""
+    if buffer.dtype != torch.uint8 or buffer.numel() < layout.nbytes:
+        raise ValueError(
+            f"buffer must be uint8 with >= {layout.nbytes} bytes, got {buffer.dtype} "
+            f"{tuple(buffer.shape)}"
+        )
+    return [(slot.name, _slot_view(buffer, slot)) for slot in layout.slots]
+
+
+def _slot_view(buffer: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
+    raw = buffer[slot.offset : slot.offset + slot.nbytes]
+    return raw.view(parse_dtype(slot.dtype)).view(slot.shape)
+
+
+def iter_buckets(
+    named: Iterable[tuple[str, torch.Tensor]], layouts: Sequence[BucketLayout]
+) -> Iterator[tuple[BucketLayout, list[torch.Tensor]]]:
+    """Group a streamed ``(name, tensor)`` pass into the planned buckets, checking the names.
+
+    Consumes ``named`` lazily: bucket i is yielded as soon as its last tensor arrives.
+    """
+    stream = iter(named)
+    for layout in layouts:
+        tensors = []
+        for slot in layout.slots:
+            item = next(stream, None)
+            if item is None:
+                raise WeightTransferError(
+                    f"the weights ended before {slot.name!r}: the model has fewer tensors "
+                    "than when the bucket layout was planned"
+                )
+            name, t = item
+            if name != slot.name:
+                raise WeightTransferError(
+                    f"expected weight {slot.name!r} next, got {name!r}: the state dict order "
+                    "changed since the bucket layout was planned"
+                )
+            tensors.append(t)
+        yield layout, tensors
+    extra = next(stream, None)
+    if extra is not None:
+        raise WeightTransferError(
+            f"weight {extra[0]!r} is not in any bucket: the model has more tensors than when "
+            "the bucket layout was planned"
+        )
+
+
+# ---- a broadcast group of its own -------------------------------------------------------------
+class BroadcastGroup:
+    """A process group between train rank 0 (rank 0) and the rollout engines (ranks 1..n).
+
+    Built directly from a `TCPStore` and `ProcessGroupGloo` (CPU) or `ProcessGroupNCCL` (CUDA),
+    never through ``init_process_group``: the train ranks' default (FSDP) group stays untouched.
+    Construction blocks until every rank has joined, so all ranks must construct it at once.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        backend: GroupBackend | str,
+        timeout_s: float = 600.0,
+    ) -> None:
+        import torch.distributed as dist
+
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside a group of {world_size}")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.store = dist.TCPStore(
+            host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+        )
+        if backend == "nccl":
+            if not hasattr(dist, "ProcessGroupNCCL"):
+                raise WeightTransferError(
+                    "weight_sync.mode=nccl with GPUs needs a torch built with NCCL; this one has "
+                    "none (use weight_sync.mode=zmq)"
+                )
+            # NVLink SHARP (multicast) objects cannot be created on the lent machines.
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg: Any = dist.ProcessGroupNCCL(self.store, rank, world_size, opts)
+        elif backend == "gloo":
+            self.pg = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
+        else:
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        # Rendezvous now rather than at the first broadcast, so a missing rank fails here.
+        self.barrier()
+
+    def barrier(self) -> None:
+        """Wait for every rank (a one-element broadcast: works the same on gloo and NCCL)."""
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        self.broadcast(torch.zeros(1, dtype=torch.uint8, device=device))
+
+    def broadcast(self, buffer: torch.Tensor) -> None:
+        """Broadcast ``buffer`` from rank 0 into every other rank's ``buffer``, in place."""
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([buffer], opts).wait()
+
+    def close(self) -> None:
+        """End the group (its communicators) and the store."""
+        shutdown = getattr(self.pg, "shutdown", None)
+        if shutdown is not None and self.backend == "nccl":
+            shutdown()
+        self.pg = None
+        self.store = None
+
+
+def broadcast_buckets(
+    group: BroadcastGroup,
+    named: Iterable[tuple[str, torch.Tensor]],
+    layouts: Sequence[BucketLayout],
+    device: torch.device | str,
+) -> int:
+    """Rank 0: stream ``named`` bucket by bucket through one reused buffer; returns bytes sent."""
+    buffer = new_bucket_buffer(layouts, device)
+    sent = 0
+    for layout, tensors in iter_buckets(named, layouts):
+        group.broadcast(flatten_bucket(layout, tensors, buffer))
+        sent += layout.nbytes
+    return sent
+
+
+def receive_buckets(
+    group: BroadcastGroup,
+    layouts: Sequence[BucketLayout],
+    device: torch.device | str,
+    load: Any,
+) -> int:
+    """Ranks 1..n: receive every bucket into one reused buffer, handing each bucket's named
+    views to ``load(named) -> int``; returns the tensors loaded.
+
+    Every bucket is received even after ``load`` fails, so the sender never hangs; the first
+    failure is raised at the end.
+    """
+    buffer = new_bucket_buffer(layouts, device)
+    loaded, error = 0, None
+    for layout in layouts:
+        filled = buffer[: layout.nbytes]
+        group.broadcast(filled)
+        if error is None:
+            try:
+                loaded += load(unflatten_bucket(layout, filled))
+            except Exception as e:  # noqa: BLE001 - re-raised once the stream is drained
+                error = e
+    if error is not None:
+        raise error
+    return loaded
+
+
+# ---- CUDA IPC handles as plain values ---------------------------------------------------------
+def share_cuda_buffer(buffer: torch.Tensor) -> dict:
+    """Export a CUDA tensor as msgpack-able fields another process on the host can map.
+
+    The fields are those of ``torch.multiprocessing.reductions.reduce_tensor`` minus the
+    classes (which the receiver knows): raw handles are bytes, the rest ints, strs and bools.
+    The caller must keep ``buffer`` alive, unchanged, until the receiver has acknowledged.
+    """
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    if buffer.device.type != "cuda":
+        raise WeightTransferError(
+            f"CUDA IPC needs a CUDA tensor, got one on {buffer.device}; weight_sync.mode=ipc "
+            "works only with GPUs (use zmq on CPU)"
+        )
+    _, args = reduce_tensor(buffer)
+    (
+        _cls,
+        size,
+        stride,
+        tensor_offset,
+        _storage_cls,
+        dtype,
+        device,
+        handle,
+        storage_bytes,
+        storage_offset,
+        _requires_grad,
+        ref_counter_handle,
+        ref_counter_offset,
+        event_handle,
+        event_sync_required,
+    ) = args
+    return {
+        "size": list(size),
+        "stride": list(stride),
+        "tensor_offset": int(tensor_offset),
+        "dtype": dtype_name(dtype),
+        "device_uuid": str(torch.cuda.get_device_properties(device).uuid),
+        "handle": bytes(handle),
+        "storage_bytes": int(storage_bytes),
+        "storage_offset": int(storage_offset),
+        "ref_counter_handle": bytes(ref_counter_handle),
+        "ref_counter_offset": int(ref_counter_offset),
+        "event_handle": None if event_handle is None else bytes(event_handle),
+        "event_sync_required": bool(event_sync_required),
+    }
+
+
+def open_cuda_buffer(fields: dict) -> torch.Tensor:
+    """Map a buffer exported by `share_cuda_buffer` in this process (same physical GPU)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    device = local_cuda_index(fields["device_uuid"])
+    return rebuild_cuda_tensor(
+        torch.Tensor,
+        torch.Size(fields["size"]),
+        tuple(fields["stride"]),
+        fields["tensor_offset"],
+        torch.UntypedStorage,
+        parse_dtype(fields["dtype"]),
+        device,
+        fields["handle"],
+        fields["storage_bytes"],
+        fields["storage_offset"],
+        False,
+        fields["ref_counter_handle"],
+        fields["ref_counter_offset"],
+        fields["event_handle"],
+        fields["event_sync_required"],
+    )
+
+
+class CudaIpcSender:
+    """Train rank 0's side of ``ipc``: fills one CUDA bucket buffer per `share` call from a
+    streamed pass over the weights and exports it; the receiver copies and acknowledges (returns)
+    before the next `share` overwrites the buffer."""
+
+    def __init__(
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        layouts: Sequence[BucketLayout],
+        device: torch.device | str,
+    ) -> None:
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise WeightTransferError(
+                f"weight_sync.mode=ipc needs the trainer on a GPU, it is on {self.device}; "
+                "use zmq or nccl (gloo) on CPU"
+            )
+        self.buckets = iter_buckets(named, layouts)
+        self.buffer: torch.Tensor | None = new_bucket_buffer(layouts, self.device)
+        self.n_buckets, self.next_index = len(layouts), 0
+
+    def share(self, index: int) -> dict:
+        """Fill the buffer with bucket ``index`` (0, 1, ... in order) and export it."""
+        if index != self.next_index or self.buffer is None:
+            raise WeightTransferError(
+                f"bucket {index} asked for, but bucket {self.next_index} of {self.n_buckets} is "
+                "next: buckets are shared in order, each once"
+            )
+        layout, tensors = next(self.buckets)
+        filled = flatten_bucket(layout, tensors, self.buffer)
+        # The receiver reads through its own stream: the bytes must be in place before it maps.
+        torch.cuda.synchronize(self.device)
+        self.next_index += 1
+        return {**share_cuda_buffer(filled), "bucket": index}
+
+    def finish(self) -> None:
+        """Check that every bucket went out, then `release`."""
+        done = self.next_index == self.n_buckets
+        try:
+            if done:
+                next(self.buckets, None)  # runs the "no tensor left over" check
+        finally:
+            self.release()
+        if not done:
+            raise WeightTransferError(
+                f"weight share ended after {self.next_index} of {self.n_buckets} buckets"
+            )
+
+    def release(self) -> None:
+        """Stop the weight pass and free the buffer (once the receivers have let go of it)."""
+        self.buckets.close()
+        self.buffer = None
+        torch.cuda.ipc_collect()
+
+
+def receive_ipc_bucket(fields: dict, layout: BucketLayout, load: Any) -> int:
+    """Map the buffer named by ``fields``, hand its named views to ``load(named) -> int``, and
+    wait for the copies to finish before returning (the return is the acknowledgement)."""
+    buffer = open_cuda_buffer(fields)
+    try:
+        n = load(unflatten_bucket(layout, buffer))
+        torch.cuda.synchronize(buffer.device)
+    finally:
+        del buffer
+    return n
+
+
+def local_cuda_index(uuid: str) -> int:
+    """This process's index of the GPU with ``uuid`` (CUDA_VISIBLE_DEVICES renumbers GPUs)."""
+    if not torch.cuda.is_available():
+        raise WeightTransferError("CUDA IPC needs CUDA in the receiving process; none is visible")
+    seen = []
+    for i in range(torch.cuda.device_count()):
+        u = str(torch.cuda.get_device_properties(i).uuid)
+        if u == uuid:
+            return i
+        seen.append(u)
+    raise WeightTransferError(
+        f"GPU {uuid} holding the trainer's buffer is not visible here (visible: {seen}); "
+        "weight_sync.mode=ipc needs the engine on the same GPU as train rank 0 (use nccl for "
+        "separate GPUs)"
+    )

@@ -1,0 +1,134 @@
+"""Weight sync on GPUs: the three-step tiny-model run with the engine and trainer on CUDA.
+
+- ``ipc`` and ``zmq`` with ``cluster.n_gpus=1`` (hf engine and FSDP colocated on one GPU);
+- ``nccl`` with ``cluster.n_gpus=2`` (engine on GPU 0, trainer on GPU 1), skipped on one GPU;
+- CUDA IPC handle fields (msgpack, no pickle) opened in a second process.
+
+The trainer keeps fp32 master weights while the engine holds bf16 (``dtype=auto``): the sync
+sends weights in the engine's dtype and the trainer's checksum is taken in it too, so
+``sync/checksum_match`` must hold after every step. Run with
+``ARL_CACHE=<cache with SmolLM2-135M-Instruct> pytest -s -m gpu tests/gpu/test_weight_sync_gpu.py``
+to see the seconds per sync of each mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+
+import msgpack
+import pytest
+import torch
+
+from arl.config import Config, apply_overrides
+from arl.stats.logger import read_jsonl
+from arl.trainer import run
+from tests.support.tiny_model import make_tiny_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def gpu_config(tmp_path, model: str, n_gpus: int, *overrides: str) -> Config:
+    """Three steps of arith GRPO on the tiny model, eta=1, hf:d1 + fsdp:d1 on ``n_gpus`` GPUs,
+    bf16 engine and bf16-compute trainer (dtype auto)."""
+    cfg = apply_overrides(
+        Config(),
+        [
+            f"experiment.run_dir={tmp_path / 'runs'}",
+            "experiment.name=sync-gpu",
+            "experiment.total_train_steps=3",
+            f"actor.path={model}",
+            "data.loader=arl.data.arith:load_arith",
+            "data.batch_size=2",
+            "data.max_prompt_len=128",
+            "rollout.reward=arl.rewards.arith:arith_reward",
+            "rollout.max_head_offpolicyness=1",
+            "gconfig.n_samples=2",
+            "gconfig.max_new_tokens=12",
+            f"cluster.n_gpus={n_gpus}",
+            "cluster.heartbeat_timeout=60",
+            "stats.tensorboard=false",
+            "stats.progress_bar=false",
+            "saver.hf_export=false",
+            "weight_sync.verify=true",
+            # ~6.6 MB of bf16 weights: several buckets, so the one-bucket-in-flight path runs.
+            "weight_sync.bucket_bytes=1048576",
+            "actor.max_tokens_per_mb=512",
+            "actor.lr=1e-3",
+            *overrides,
+        ],
+    )
+    cfg.validate()
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+def _run_and_check(cfg: Config, mode: str) -> None:
+    asyncio.run(run(cfg))
+    rows = read_jsonl(cfg.run_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["sync/checksum_match"] is True, r
+        assert r["version"] == r["step"]
+    assert len({r["sync/checksum"] for r in rows}) == 3
+    paused = [r["sync/paused_s"] for r in rows]
+    mb = rows[-1].get("sync/bytes", 0) / 1e6
+    print(
+        f"\nweight_sync.mode={mode}: {sum(paused) / len(paused):.4f} s per sync paused "
+        f"(per step {', '.join(f'{p:.4f}' for p in paused)}; {mb:.1f} MB per sync)"
+    )
+
+
+@pytest.mark.parametrize("mode", ["ipc", "zmq"])
+def test_colocated_one_gpu_engine_matches_trainer_every_step(tmp_path, tiny_model, mode):
+    _run_and_check(gpu_config(tmp_path, tiny_model, 1, f"weight_sync.mode={mode}"), mode)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nccl needs two GPUs")
+def test_nccl_separate_gpus_engine_matches_trainer_every_step(tmp_path, tiny_model):
+    _run_and_check(gpu_config(tmp_path, tiny_model, 2, "weight_sync.mode=nccl"), "nccl")
+
+
+_RECEIVER = textwrap.dedent(
+    """
+    import sys, msgpack, torch
+    from arl.engines.weight_transfer import open_cuda_buffer
+    fields = msgpack.unpackb(sys.stdin.buffer.read(), raw=False)
+    t = open_cuda_buffer(fields)
+    out = {"sum": float(t.double().sum()), "dtype": str(t.dtype), "n": t.numel()}
+    t.add_(1)  # the sender sees this write: the same memory
+    torch.cuda.synchronize()
+    del t
+    sys.stdout.buffer.write(msgpack.packb(out))
+    """
+)
+
+
+def test_cuda_ipc_fields_open_the_same_memory_in_another_process():
+    from arl.engines.weight_transfer import share_cuda_buffer
+
+    buffer = torch.arange(1000, dtype=torch.float32, device="cuda")
+    fields = share_cuda_buffer(buffer[10:])
+    torch.cuda.synchronize()
+    done = subprocess.run(
+        [sys.executable, "-c", _RECEIVER],
+        input=msgpack.packb(fields, use_bin_type=True),
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    got = msgpack.unpackb(done.stdout, raw=False)
+    assert got == {"sum": float(sum(range(10, 1000))), "dtype": "torch.float32", "n": 990}
+    torch.cuda.synchronize()
+    assert torch.equal(buffer[10:].cpu(), torch.arange(10, 1000, dtype=torch.float32) + 1)
+    assert torch.equal(buffer[:10].cpu(), torch.arange(10, dtype=torch.float32))

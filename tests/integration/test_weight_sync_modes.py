@@ -1,0 +1,229 @@
+"""Weight sync modes end to end on CPU, and the bucket helpers they share (DESIGN §6).
+
+``nccl`` runs its broadcast group on gloo here: the same code path as NCCL on GPUs, with two
+rollout replicas so the broadcast has more than one receiver. ``disk`` runs as the fallback.
+After every step each engine must hold exactly the trainer's weights (checksum).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import pytest
+import torch
+
+from arl.config import Config, ConfigError, apply_overrides
+from arl.control.placement import plan_placement
+from arl.engines.weight_transfer import (
+    ALIGN,
+    BroadcastGroup,
+    BucketLayout,
+    WeightTransferError,
+    broadcast_buckets,
+    flatten_bucket,
+    iter_buckets,
+    new_bucket_buffer,
+    plan_buckets,
+    receive_buckets,
+    unflatten_bucket,
+)
+from arl.stats.logger import read_jsonl
+from arl.trainer import run
+from tests.support.tiny_model import make_tiny_model
+
+
+def tiny_config(tmp_path, model: str, *overrides: str) -> Config:
+    """Three steps of arith GRPO on the tiny model, eta=1, hf:d1 + fsdp:d1 on CPU."""
+    cfg = apply_overrides(
+        Config(),
+        [
+            f"experiment.run_dir={tmp_path / 'runs'}",
+            "experiment.name=e2e",
+            "experiment.total_train_steps=3",
+            f"actor.path={model}",
+            "actor.dtype=float32",
+            "data.loader=arl.data.arith:load_arith",
+            "data.batch_size=2",
+            "data.max_prompt_len=128",
+            "rollout.reward=arl.rewards.arith:arith_reward",
+            "rollout.max_head_offpolicyness=1",
+            "gconfig.n_samples=2",
+            "gconfig.max_new_tokens=12",
+            "cluster.n_gpus=0",
+            "cluster.heartbeat_timeout=30",
+            "stats.tensorboard=false",
+            "stats.progress_bar=false",
+            "weight_sync.verify=true",
+            "actor.max_tokens_per_mb=512",
+            "actor.lr=1e-3",
+            *overrides,
+        ],
+    )
+    cfg.validate()
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+def _assert_synced_every_step(cfg: Config) -> list[dict]:
+    rows = read_jsonl(cfg.run_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["sync/checksum_match"] is True, r
+        assert r["version"] == r["step"]
+        assert r["sync/paused_s"] > 0
+    # The weights moved each step, and each step's engines followed.
+    assert len({r["sync/checksum"] for r in rows}) == 3
+    return rows
+
+
+def test_nccl_mode_on_gloo_two_engines_match_trainer_every_step(tmp_path, tiny_model):
+    # A small bucket size splits the tiny model (~3.4 MB) into many buckets, one in flight.
+    cfg = tiny_config(
+        tmp_path,
+        tiny_model,
+        "weight_sync.mode=nccl",
+        "weight_sync.bucket_bytes=262144",
+        "rollout.backend=hf:d2",
+    )
+    asyncio.run(run(cfg))
+    rows = _assert_synced_every_step(cfg)
+    for r in rows:
+        assert r["sync/buckets"] > 1
+        assert r["sync/bytes"] > 0
+
+
+def test_disk_mode_matches_trainer_every_step_and_removes_folders(tmp_path, tiny_model):
+    cfg = tiny_config(tmp_path, tiny_model, "weight_sync.mode=disk", "saver.hf_export=false")
+    asyncio.run(run(cfg))
+    _assert_synced_every_step(cfg)
+    weights = cfg.run_path / "weights"
+    assert not weights.exists() or not any(weights.iterdir())
+
+
+# ---- placement of the modes -------------------------------------------------------------------
+def _cfg(*overrides: str) -> Config:
+    return apply_overrides(Config(), list(overrides))
+
+
+def test_placement_allows_nccl_on_cpu_and_refuses_what_cannot_work():
+    plan_placement(_cfg("weight_sync.mode=nccl"), n_gpus=0)  # gloo stand-in
+    with pytest.raises(ConfigError, match="ipc needs GPUs"):
+        plan_placement(_cfg("weight_sync.mode=ipc"), n_gpus=0)
+    # One GPU shared by engine and trainer: ipc yes, nccl no (one GPU per NCCL rank).
+    plan_placement(_cfg("weight_sync.mode=ipc"), n_gpus=1)
+    with pytest.raises(ConfigError, match="use weight_sync.mode=ipc"):
+        plan_placement(_cfg("weight_sync.mode=nccl"), n_gpus=1)
+    # Separate GPUs: nccl yes, ipc no.
+    plan_placement(_cfg("weight_sync.mode=nccl"), n_gpus=2)
+    with pytest.raises(ConfigError, match="use weight_sync.mode=nccl"):
+        plan_placement(_cfg("weight_sync.mode=ipc"), n_gpus=2)
+    with pytest.raises(ConfigError, match="hf engine only"):
+        plan_placement(_cfg("weight_sync.mode=nccl", "rollout.backend=sglang:d1"), n_gpus=2)
+
+
+# ---- bucket helpers -------------------------------------------------------------------------
+def _named() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("embed", torch.randn(7, 5, generator=g)),
+        ("norm", torch.randn(5, generator=g).to(torch.bfloat16)),
+        ("steps", torch.arange(3, dtype=torch.int64)),
+        ("big", torch.randn(64, 33, generator=g)),
+        ("half", torch.randn(9, generator=g).to(torch.float16)),
+    ]
+
+
+def test_buckets_round_trip_bit_exact_through_the_wire_layout():
+    named = _named()
+    layouts = plan_buckets([(n, t.shape, t.dtype) for n, t in named], bucket_bytes=300)
+    # Order is kept and every tensor is in exactly one bucket.
+    assert [s.name for b in layouts for s in b.slots] == [n for n, _ in named]
+    assert len(layouts) > 1
+    for b in layouts:
+        assert all(s.offset % ALIGN == 0 for s in b.slots)
+        assert b.nbytes >= max(s.offset + s.nbytes for s in b.slots)
+    # The tensor over the bucket size sits alone.
+    assert [len(b.slots) for b in layouts if b.slots[0].name == "big"] == [1]
+    buffer = new_bucket_buffer(layouts, "cpu")
+    got = []
+    for layout, tensors in iter_buckets(named, layouts):
+        wire = BucketLayout.from_wire(layout.to_wire())  # what the receiver gets
+        assert wire == layout
+        filled = flatten_bucket(layout, tensors, buffer)
+        assert filled.numel() == layout.nbytes
+        got += [(n, v.clone()) for n, v in unflatten_bucket(wire, filled.clone())]
+    assert [n for n, _ in got] == [n for n, _ in named]
+    for (_, want), (_, have) in zip(named, got, strict=True):
+        assert have.dtype == want.dtype and torch.equal(have, want)
+
+
+def test_flatten_casts_to_the_planned_dtype():
+    t = torch.randn(4, 4)
+    (layout,) = plan_buckets([("w", t.shape, torch.bfloat16)], bucket_bytes=1 << 20)
+    buffer = new_bucket_buffer([layout], "cpu")
+    ((_, view),) = unflatten_bucket(layout, flatten_bucket(layout, [t], buffer))
+    assert view.dtype == torch.bfloat16 and torch.equal(view, t.to(torch.bfloat16))
+
+
+def test_bucket_stream_refuses_a_model_that_changed_since_planning():
+    named = _named()
+    layouts = plan_buckets([(n, t.shape, t.dtype) for n, t in named], bucket_bytes=1 << 20)
+    with pytest.raises(WeightTransferError, match="expected weight 'embed' next"):
+        list(iter_buckets(named[1:], layouts))
+    with pytest.raises(WeightTransferError, match="not in any bucket"):
+        list(iter_buckets([*named, ("extra", torch.zeros(1))], layouts))
+    with pytest.raises(WeightTransferError, match="ended before"):
+        list(iter_buckets(named[:-1], layouts))
+    buffer = new_bucket_buffer(layouts, "cpu")
+    wrong = [t.reshape(-1) for _, t in named]
+    with pytest.raises(WeightTransferError, match="changed shape"):
+        flatten_bucket(layouts[0], wrong, buffer)
+    bad = layouts[0].to_wire()
+    bad["nbytes"] = 8
+    with pytest.raises(WeightTransferError, match="does not fit"):
+        BucketLayout.from_wire(bad)
+
+
+def test_gloo_group_broadcasts_buckets_to_two_receivers():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    named = _named()
+    layouts = plan_buckets([(n, t.shape, t.dtype) for n, t in named], bucket_bytes=300)
+    received: dict[int, list] = {1: [], 2: []}
+    results: dict[int, object] = {}
+
+    def member(rank: int) -> None:
+        try:
+            group = BroadcastGroup("127.0.0.1", port, rank, 3, "gloo", timeout_s=30)
+            try:
+                if rank == 0:
+                    results[rank] = broadcast_buckets(group, named, layouts, "cpu")
+                else:
+
+                    def load(views):
+                        received[rank].extend((n, v.clone()) for n, v in views)
+                        return len(views)
+
+                    results[rank] = receive_buckets(group, layouts, "cpu", load)
+            finally:
+                group.close()
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            results[rank] = e
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results[0] == sum(b.nbytes for b in layouts)
+    assert results[1] == results[2] == len(named)
+    for rank in (1, 2):
+        for (n, want), (m, have) in zip(named, received[rank], strict=True):
+            assert n == m and torch.equal(have, want)
