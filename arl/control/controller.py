@@ -25,7 +25,14 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from arl.wire.codec import Message, WireError, decode_message, encode_message, peek_id
+from arl.wire.codec import (
+    Message,
+    WireError,
+    check_message_size,
+    decode_message,
+    encode_message,
+    peek_id,
+)
 from arl.wire.sockets import Authenticator, Security, bind_tcp, make_socket, new_secret
 
 log = logging.getLogger("arl.controller")
@@ -252,6 +259,7 @@ class Controller:
             self.bytes_in += sum(f.buffer.nbytes for f in frames)
             identity, body = frames[0].bytes, frames[1:]
             try:
+                check_message_size(body, self.max_message_bytes)  # ZMQ's cap is per frame
                 msg = decode_message(body)
             except WireError as e:
                 self.dropped += 1
@@ -263,9 +271,13 @@ class Controller:
             try:
                 await self._on_message(identity, msg)
             except Exception as e:  # a handler bug must not take the control plane down
-                log.exception("handling %s from %r failed", msg.op, identity)
+                if isinstance(e, WireError):  # a refused message: no traceback per message
+                    log.warning("%s from %r refused: %s", msg.op, identity, e)
+                else:
+                    log.exception("handling %s from %r failed", msg.op, identity)
                 self.dropped += 1
-                if msg.op == "call":
+                # A refused hello is answered too, so the node stops instead of waiting.
+                if msg.op in ("call", "hello"):
                     await self._reply_err(identity, msg.id, e)
 
     async def _reply_err(self, identity: bytes, mid: int, e: Exception) -> None:
@@ -281,8 +293,7 @@ class Controller:
         if msg.op == "hello":
             await self._on_hello(identity, msg)
             return
-        if node is None:
-            self.dropped += 1
+        if node is None:  # counted in dropped by _recv_loop (it was counted twice)
             raise WireError(f"{msg.op!r} from a peer that has not said hello")
         node.last_seen = time.monotonic()
         if msg.op in ("ok", "err"):
@@ -319,7 +330,13 @@ class Controller:
             raise WireError(f"controller does not accept op {msg.op!r}")
 
     async def _on_hello(self, identity: bytes, msg: Message) -> None:
-        info = msg.args if isinstance(msg.args, dict) else {}
+        # A malformed hello must not register a node (found by the wire fuzz tests).
+        if not isinstance(msg.args, dict) or not isinstance(msg.args.get("node_id", ""), str):
+            raise WireError("hello must carry a map whose node_id is a string")
+        known = self._by_identity.get(identity)
+        if known is not None and not known.lost:
+            raise WireError(f"peer {identity!r} already said hello as node {known.node_id!r}")
+        info = msg.args
         node_id = str(info.get("node_id") or identity.decode(errors="replace"))
         old = self.nodes.get(node_id)
         if old is not None and not old.lost:

@@ -44,6 +44,7 @@ def node_command(
     curve: bool = False,
     heartbeat_interval: float = 1.0,
     heartbeat_timeout: float = 10.0,
+    max_message_bytes: int = -1,
     python: str = sys.executable,
 ) -> list[str]:
     """The command line that starts one node."""
@@ -56,6 +57,8 @@ def node_command(
         cmd.append("--curve")
     cmd += ["--heartbeat-interval", str(heartbeat_interval)]
     cmd += ["--heartbeat-timeout", str(heartbeat_timeout)]
+    if max_message_bytes > 0:  # wired through so LocalNodes/SlurmNodes can set the daemon's cap
+        cmd += ["--max-message-bytes", str(max_message_bytes)]
     return cmd
 
 

@@ -124,12 +124,16 @@ def _make_tensor(dtype: torch.dtype, shape: list[int], buf: memoryview) -> torch
 
 def _check_meta(dtype_s: Any, shape: Any) -> tuple[torch.dtype, list[int], int]:
     dtype = parse_dtype(dtype_s)
-    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+    if not isinstance(shape, list) or not all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
+    ):
         raise WireError(f"tensor shape must be a list of non-negative ints, got {shape!r}")
     n = 1
     for s in shape:
         n *= s
-        if n > MAX_ELEMENTS:
+        # Each dim is bounded too: [0, 2**63] has no elements but no tensor can take that shape
+        # (fix found by the fuzz tests: it used to reach torch.empty and fail there).
+        if n > MAX_ELEMENTS or s > MAX_ELEMENTS:
             raise WireError(f"declared tensor shape {shape} is too large")
     return dtype, shape, n * torch.empty((), dtype=dtype).element_size()
 
@@ -142,6 +146,8 @@ def unpack(frames: Sequence[Any]) -> Any:
     used: set[int] = set()
 
     def ext_hook(code: int, data: bytes) -> Any:
+        if code not in (_EXT_FRAME, _EXT_INLINE):  # checked first, so the error names the code
+            raise WireError(f"unknown ext type {code}")
         try:
             meta = msgpack.unpackb(data)
         except Exception as e:
@@ -211,6 +217,21 @@ def decode_message(frames: Sequence[Any]) -> Message:
     if not isinstance(mid, int) or not isinstance(method, str) or not isinstance(op, str):
         raise WireError("header fields id (int), op (str) and m (str) have wrong types")
     return Message(op=op, id=mid, method=method, args=head.get("a"))
+
+
+def check_message_size(frames: Sequence[Any], max_bytes: int) -> None:
+    """Raise WireError when the frames together exceed ``max_bytes`` (no limit when <= 0).
+
+    ZMQ_MAXMSGSIZE bounds each frame alone; this bounds the whole multipart message.
+    """
+    if max_bytes <= 0:
+        return
+    total = sum(_as_buffer(f).nbytes for f in frames)
+    if total > max_bytes:
+        raise WireError(
+            f"message of {total} bytes exceeds max_message_bytes={max_bytes}; "
+            f"send it in smaller parts or raise the limit"
+        )
 
 
 def peek_id(frames: Sequence[Any]) -> int | None:

@@ -10,6 +10,7 @@ encrypted and the client also verifies the server.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import secrets
 import socket as pysocket
@@ -89,7 +90,10 @@ class Authenticator:
 
     def __init__(self, ctx: zmq.asyncio.Context, security: Security):
         self.security = security
-        self._auth = AsyncioAuthenticator(ctx)
+        # Its own logger would print the secret at DEBUG ("ALLOWED (PLAIN) ... password=...").
+        self._auth = AsyncioAuthenticator(
+            ctx, log=_HideSecret(logging.getLogger("zmq.auth"), security.secret)
+        )
         self._auth.start()
         if security.curve:
             client_public, _ = _curve_pair(security.secret, b"client")
@@ -104,10 +108,25 @@ class Authenticator:
 
 class _CurveAllow:
     def __init__(self, public: bytes):
-        self.public = z85.decode(public)
+        # pyzmq hands the callback the client key z85-encoded (it used to compare the raw key,
+        # so every CURVE client was refused; found by tests/integration/test_auth.py). The raw
+        # form is accepted as well, for pyzmq versions that pass raw keys.
+        self.allowed = {public, z85.decode(public)}
 
     def callback(self, domain: str, key: bytes) -> bool:
-        return key == self.public
+        return key in self.allowed
+
+
+class _HideSecret(logging.LoggerAdapter):
+    """pyzmq's authenticator logs a PLAIN password at DEBUG; this replaces the run secret."""
+
+    def __init__(self, logger: logging.Logger, secret: str):
+        super().__init__(logger, {})
+        self._secret = secret
+
+    def log(self, level: int, msg: object, *args: object, **kwargs: object) -> None:
+        args = tuple("<hidden>" if self._secret in str(a) else a for a in args)
+        super().log(level, msg, *args, **kwargs)  # type: ignore[arg-type]
 
 
 def make_socket(

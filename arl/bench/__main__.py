@@ -1,0 +1,60 @@
+"""``python -m arl.bench NAME [args]``: run one benchmark; ``NAME --help`` shows its options.
+
+Each benchmark is a module with ``main(argv) -> int``, imported only when it is asked for, so one
+benchmark's dependencies never slow down or break another.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import sys
+
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "transport": (
+        "arl.bench.transport",
+        "RPC round trip and bulk tensor transfer, beside memcpy and HTTP+pickle",
+    ),
+    "rtensor": ("arl.bench.rtensor", "RTensor shard pulls between nodes over the data plane"),
+    "rollout": ("arl.bench.rollout", "rollout throughput of the inference engines"),
+    "e2e": ("arl.bench.e2e", "end-to-end training steps of a recipe"),
+}
+
+
+def usage() -> str:
+    """The list of benchmarks, one per line."""
+    lines = ["usage: python -m arl.bench NAME [args]   (NAME --help for its options)", ""]
+    lines += [f"  {name:<10} {doc}" for name, (_, doc) in BENCHMARKS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch to the named benchmark's ``main``; returns the process exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(usage(), file=sys.stdout if args else sys.stderr)
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name not in BENCHMARKS:
+        close = difflib.get_close_matches(name, BENCHMARKS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        print(
+            f"unknown benchmark {name!r}{hint}; known benchmarks: {', '.join(BENCHMARKS)}",
+            file=sys.stderr,
+        )
+        return 2
+    module_name = BENCHMARKS[name][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name:
+            raise  # the benchmark exists but one of its own imports is missing
+        print(
+            f"benchmark {name!r} is not available yet ({module_name} is missing)", file=sys.stderr
+        )
+        return 2
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
