@@ -23,7 +23,9 @@ def tiny_model(tmp_path_factory):
 
 
 def _children(pid: int) -> dict[int, str]:
-    out = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True
+    ).stdout
     procs = {}
     for line in out.splitlines():
         p, pp, args = line.split(None, 2)
