@@ -41,7 +41,7 @@ def make_config() -> Config:
     if not torch.cuda.is_available():
         # The embedded CPU default: three small steps, a few minutes on two cores.
         cfg.experiment.total_train_steps = 3
-        cfg.data.batch_size = 4
+        cfg.data.batch_size = 2
         cfg.gconfig.max_new_tokens = 128
         cfg.actor.max_tokens_per_mb = 2048  # bounds the fp32 logits of one micro-batch
     return cfg
