@@ -31,38 +31,7 @@ from arl.engines.weight_transfer import (
 )
 from arl.stats.logger import read_jsonl
 from arl.trainer import run
-from tests.support.tiny_model import make_tiny_model
-
-
-def tiny_config(tmp_path, model: str, *overrides: str) -> Config:
-    """Three steps of arith GRPO on the tiny model, eta=1, hf:d1 + fsdp:d1 on CPU."""
-    cfg = apply_overrides(
-        Config(),
-        [
-            f"experiment.run_dir={tmp_path / 'runs'}",
-            "experiment.name=e2e",
-            "experiment.total_train_steps=3",
-            f"actor.path={model}",
-            "actor.dtype=float32",
-            "data.loader=arl.data.arith:load_arith",
-            "data.batch_size=2",
-            "data.max_prompt_len=128",
-            "rollout.reward=arl.rewards.arith:arith_reward",
-            "rollout.max_head_offpolicyness=1",
-            "gconfig.n_samples=2",
-            "gconfig.max_new_tokens=12",
-            "cluster.n_gpus=0",
-            "cluster.heartbeat_timeout=30",
-            "stats.tensorboard=false",
-            "stats.progress_bar=false",
-            "weight_sync.verify=true",
-            "actor.max_tokens_per_mb=512",
-            "actor.lr=1e-3",
-            *overrides,
-        ],
-    )
-    cfg.validate()
-    return cfg
+from tests.support.tiny_model import make_tiny_model, tiny_run_config
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +53,7 @@ def _assert_synced_every_step(cfg: Config) -> list[dict]:
 
 def test_nccl_mode_on_gloo_two_engines_match_trainer_every_step(tmp_path, tiny_model):
     # A small bucket size splits the tiny model (~3.4 MB) into many buckets, one in flight.
-    cfg = tiny_config(
+    cfg = tiny_run_config(
         tmp_path,
         tiny_model,
         "weight_sync.mode=nccl",
@@ -99,7 +68,7 @@ def test_nccl_mode_on_gloo_two_engines_match_trainer_every_step(tmp_path, tiny_m
 
 
 def test_disk_mode_matches_trainer_every_step_and_removes_folders(tmp_path, tiny_model):
-    cfg = tiny_config(tmp_path, tiny_model, "weight_sync.mode=disk", "saver.hf_export=false")
+    cfg = tiny_run_config(tmp_path, tiny_model, "weight_sync.mode=disk", "saver.hf_export=false")
     asyncio.run(run(cfg))
     _assert_synced_every_step(cfg)
     weights = cfg.run_path / "weights"

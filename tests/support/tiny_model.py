@@ -38,3 +38,37 @@ def make_tiny_model(path: Path, seed: int = 0) -> str:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
+
+
+def tiny_run_config(tmp_path: Path, model: str, *overrides: str):
+    """Three steps of arith GRPO on the tiny model: eta=1, hf:d1 + fsdp:d1 on CPU, checksums
+    of engine and trainer weights compared after every sync; ``overrides`` go last."""
+    from arl.config import Config, apply_overrides
+
+    cfg = apply_overrides(
+        Config(),
+        [
+            f"experiment.run_dir={tmp_path / 'runs'}",
+            "experiment.name=e2e",
+            "experiment.total_train_steps=3",
+            f"actor.path={model}",
+            "actor.dtype=float32",
+            "data.loader=arl.data.arith:load_arith",
+            "data.batch_size=2",
+            "data.max_prompt_len=128",
+            "rollout.reward=arl.rewards.arith:arith_reward",
+            "rollout.max_head_offpolicyness=1",
+            "gconfig.n_samples=2",
+            "gconfig.max_new_tokens=12",
+            "cluster.n_gpus=0",
+            "cluster.heartbeat_timeout=30",
+            "stats.tensorboard=false",
+            "stats.progress_bar=false",
+            "weight_sync.verify=true",
+            "actor.max_tokens_per_mb=512",
+            "actor.lr=1e-3",
+            *overrides,
+        ],
+    )
+    cfg.validate()
+    return cfg

@@ -269,7 +269,7 @@ def test_validate_lists_every_problem_at_once():
 
 
 def test_valid_edge_values_pass():
-    apply_overrides(
+    cfg = apply_overrides(
         Config(),
         [
             "cluster.n_gpus=0",
@@ -281,7 +281,9 @@ def test_valid_edge_values_pass():
             "rollout.max_head_offpolicyness=0",
             "actor.c_clip=3",
         ],
-    ).validate()
+    )
+    cfg.validate()  # raises ConfigError if any of these were refused
+    assert cfg.gconfig.temperature == 0 and cfg.actor.c_clip == 3
 
 
 def test_yaml_round_trip_preserves_every_field(tmp_path):
