@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
@@ -211,6 +212,15 @@ class RolloutController:
     async def pause(self) -> None:
         """Interrupt generation on every worker (in-flight groups resume later)."""
         await asyncio.gather(*(w.pause() for w in self.workers))
+
+    @asynccontextmanager
+    async def paused(self, version: int) -> AsyncIterator[None]:
+        """Hold generation for a weight transfer; resume at ``version`` whatever happens."""
+        await self.pause()
+        try:
+            yield
+        finally:
+            await self.resume(version)
 
     async def resume(self, version: int) -> None:
         """Stamp new tokens with ``version``, resume generation, widen the semaphore."""

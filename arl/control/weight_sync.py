@@ -75,11 +75,8 @@ class ZmqWeightSync:
         refs = [ShardRef.from_meta(owner.node_id, m) for m in metas[0]]
         buckets = RTensor(refs, peers={owner.node_id: owner.info["data_addr"]})
         t1 = time.monotonic()
-        await self.rollout.pause()
-        try:
+        async with self.rollout.paused(version):
             await asyncio.gather(*(w.load_weights(buckets.to_wire()) for w in self.workers))
-        finally:
-            await self.rollout.resume(version)
         t2 = time.monotonic()
         await self.free(list(buckets.refs))
         return {
@@ -112,11 +109,8 @@ class DiskWeightSync:
         path = self.directory / f"v{version}"
         await asyncio.gather(*(w.save_hf(str(path)) for w in self.train))
         t1 = time.monotonic()
-        await self.rollout.pause()
-        try:
+        async with self.rollout.paused(version):
             await asyncio.gather(*(w.update_weights_from_disk(str(path)) for w in self.workers))
-        finally:
-            await self.rollout.resume(version)
         t2 = time.monotonic()
         shutil.rmtree(path, ignore_errors=True)
         return {"sync/stage_s": t1 - t0, "sync/paused_s": t2 - t1}
@@ -167,15 +161,12 @@ class NcclWeightSync:
         if self.layouts is None:
             await self.connect()
         t1 = time.monotonic()
-        await self.rollout.pause()
-        try:
+        async with self.rollout.paused(version):
             sent, *_ = await asyncio.gather(
                 self.train[0].broadcast_weights(),
                 *(w.join_weight_gathers() for w in self.train[1:]),
                 *(w.receive_weights(self.layouts) for w in self.workers),
             )
-        finally:
-            await self.rollout.resume(version)
         t2 = time.monotonic()
         return {
             "sync/stage_s": t1 - t0,
@@ -218,11 +209,8 @@ class IpcWeightSync:
             await match_engine_dtype(self.train, self.workers)
             self.layouts = await self.train[0].weight_plan(self.bucket_bytes)
         t1 = time.monotonic()
-        await self.rollout.pause()
-        try:
+        async with self.rollout.paused(version):
             await self._transfer()
-        finally:
-            await self.rollout.resume(version)
         t2 = time.monotonic()
         nbytes = sum(b["nbytes"] for b in self.layouts)
         return {
