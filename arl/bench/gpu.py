@@ -1,0 +1,473 @@
+"""``python -m arl.bench gpu``: GPU figures, each beside a floor or peer measured in the same run.
+
+Sections (``--only`` picks some):
+
+- ``floors``: the device's own limits, measured here: HBM bandwidth (a device-to-device copy of
+  1 GiB) and dense bf16 matmul TFLOP/s (8192^3). The nominal H200 figure (4.8 TB/s) is printed
+  beside the measured one.
+- ``decode``: the embedded hf engine's decode tokens/s at batch 1, 64 and 256 (every request
+  runs to ``--new-tokens``: the model has no EOS), beside plain transformers ``generate`` on the
+  same prompts and the roofline: a decode step must read every weight once and every row's KV
+  cache once, so ``(weight bytes + KV bytes) / bandwidth`` is its floor. The engine's step is
+  split into the forward pass (its CUDA graph replayed alone), sampling, and the rest (host
+  work, the one device-to-host copy per step, and the prefill spread over the steps). The
+  "before" column is the same engine with transformers' stock sdpa attention and no compiled
+  blocks, as it was before the decode fixes of issue 7.
+- ``train``: FSDP2 (one rank, bf16) tokens/s of ``compute_logp`` and of advantages + PPO update,
+  with model FLOP utilisation against the matmul peak measured in ``floors``.
+- ``sync``: seconds per weight sync for ``ipc``, ``zmq`` and ``disk``, the trainer and the engine
+  colocated on one GPU as real arl nodes (three steps of the arith recipe, ``sync/paused_s``),
+  beside the time the same bytes take in a device-to-device copy.
+
+The model is SmolLM2-135M-Instruct by default (``--model``), or ``--model random``: its
+architecture with random weights (same speed, no download; needs ``--tokenizer DIR`` for the
+``sync`` section, which runs the chat template).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+NOMINAL_HBM_TB_S = 4.8  # H200 datasheet
+SMOLLM2_135M = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+)
+
+
+def _sync() -> None:
+    torch.cuda.synchronize()
+
+
+def _time_cuda(fn: Any, reps: int) -> float:
+    """Median seconds of ``fn()`` over ``reps`` runs, after one warm-up."""
+    fn()
+    _sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ---- floors ---------------------------------------------------------------------------------
+def measure_floors() -> dict[str, float]:
+    """HBM bandwidth (bytes read + written per second) and bf16 matmul FLOP/s on this GPU."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t_copy = _time_cuda(lambda: dst.copy_(src), 10)
+    src = dst = None
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    t_mm = _time_cuda(lambda: a @ b, 10)
+    a = b = None
+    torch.cuda.empty_cache()
+    return {"hbm_bytes_s": 2 * (1 << 30) / t_copy, "bf16_flops": 2 * n**3 / t_mm}
+
+
+# ---- the model ------------------------------------------------------------------------------
+def prepare_model(spec: str, tokenizer: str | None, workdir: Path) -> str:
+    """A local HF folder: the resolved model, or SmolLM2-135M's architecture with random weights.
+
+    The random model has no EOS, so every request runs to its token budget.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if spec != "random":
+        from arl.engines.model import resolve_model
+
+        src = Path(resolve_model(spec))
+        # Copy with the EOS removed, so decode runs to the budget whatever the model says.
+        path = workdir / "model"
+        shutil.copytree(src, path)
+        for name in ("config.json", "generation_config.json"):
+            f = path / name
+            if f.exists():
+                cfg = json.loads(f.read_text())
+                cfg["eos_token_id"] = None
+                f.write_text(json.dumps(cfg))
+        return str(path)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M, eos_token_id=None))
+    model.generation_config.eos_token_id = None
+    path = workdir / "random"
+    model.save_pretrained(path)
+    if tokenizer:
+        for f in Path(tokenizer).iterdir():
+            if f.is_file() and f.name not in ("config.json", "generation_config.json"):
+                shutil.copy(f, path / f.name)
+    return str(path)
+
+
+def model_bytes(path: str) -> tuple[int, int]:
+    """(bf16 weight bytes read per decode step, KV bytes per token)."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(path)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_layer = (
+        c.hidden_size * c.num_attention_heads * head_dim * 2
+        + c.hidden_size * c.num_key_value_heads * head_dim * 2
+        + 3 * c.hidden_size * c.intermediate_size
+        + 2 * c.hidden_size
+    )
+    params = c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size + c.hidden_size
+    if not c.tie_word_embeddings:
+        params += c.vocab_size * c.hidden_size
+    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2
+    return 2 * params, kv_per_token
+
+
+# ---- decode ---------------------------------------------------------------------------------
+def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab, (batch, length), generator=g).tolist()
+
+
+def bench_engine(
+    path: str, batch: int, prompt_len: int, new: int, hook: Any = None, stock: bool = False
+) -> dict[str, float]:
+    """hf engine: wall seconds for ``batch`` requests of ``new`` tokens, and a step breakdown.
+
+    ``hook(engine)``, if given, runs before the warm-up (to try a variant of the engine).
+    """
+    from arl.engines.base import SamplingParams
+    from arl.engines.hf import HFEngine
+
+    sp = SamplingParams(max_new_tokens=new, temperature=1.0)
+    prompts = _prompts(batch, prompt_len, 49152, seed=batch)
+    with HFEngine(
+        path,
+        device="cuda",
+        dtype="bfloat16",
+        max_batch_size=batch,
+        max_seq_len=prompt_len + new + 8,
+        max_prefill_tokens=max(8192, prompt_len * batch),
+        compile_blocks=not stock,
+        grouped_attention=not stock,
+    ) as eng:
+        if hook is not None:
+            hook(eng)
+
+        async def once() -> list:
+            # Held while all are queued, so the whole batch starts in one prefill.
+            await eng.pause()
+            tasks = [asyncio.ensure_future(eng.agenerate(p, sp)) for p in prompts]
+            await asyncio.sleep(0)
+            await eng.resume()
+            return await asyncio.gather(*tasks)
+
+        # Warm-up twice: the first run grows the KV cache (which drops the graphs captured
+        # before each growth); the second captures every graph bucket the timed run uses.
+        asyncio.run(once())
+        asyncio.run(once())
+        steps0 = asyncio.run(eng.health())["steps"]
+        _sync()
+        t0 = time.perf_counter()
+        results = asyncio.run(once())
+        _sync()
+        wall = time.perf_counter() - t0
+        steps = asyncio.run(eng.health())["steps"] - steps0
+        assert all(len(r.output_ids) == new for r in results), "a request ended early"
+        # Breakdown at the last (widest) bucket: the forward alone, then sampling alone.
+        graphs = {k[1]: g for k, g in eng._graphs.items() if k[0] >= batch}
+        forward = sample = float("nan")
+        if graphs:
+            # The forward alone per width bucket, weighted by the steps decoded in each bucket.
+            per_width = {w: _time_cuda(g.graph.replay, 20) for w, g in graphs.items()}
+            lengths = [prompt_len + i + 1 for i in range(new)]
+            forward = statistics.mean(
+                per_width[min(w for w in per_width if w >= n)] for n in lengths
+            )
+            logits = graphs[max(graphs)].logits[:batch]
+            eng._temp[:batch] = 1.0
+            sample = _time_cuda(lambda: eng._sample(logits, [_FakeRow()] * batch), 20)
+    return {"wall": wall, "steps": steps, "forward": forward, "sample": sample}
+
+
+class _FakeRow:
+    """Stands for a sampling request's flags when timing `_sample` alone (temperature 1)."""
+
+    greedy = False
+    top_p = 1.0
+    top_k = 0
+
+
+def bench_generate(path: str, batch: int, prompt_len: int, new: int) -> float:
+    """Seconds for transformers ``generate`` to sample ``new`` tokens for ``batch`` prompts."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.tensor(_prompts(batch, prompt_len, 49152, seed=batch), device="cuda")
+    kw = dict(
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        pad_token_id=0,
+        attention_mask=torch.ones_like(ids),
+    )
+    with torch.no_grad():
+        model.generate(ids, **{**kw, "max_new_tokens": 8, "min_new_tokens": 8})
+        _sync()
+        t0 = time.perf_counter()
+        out = model.generate(ids, **kw)
+        _sync()
+        wall = time.perf_counter() - t0
+    assert out.shape[1] == prompt_len + new, out.shape
+    del model
+    torch.cuda.empty_cache()
+    return wall
+
+
+def run_decode(args: argparse.Namespace, path: str, floors: dict) -> list[dict]:
+    wbytes, kv_tok = model_bytes(path)
+    bw = floors.get("hbm_bytes_s", NOMINAL_HBM_TB_S * 1e12)
+    rows = []
+    print(
+        f"\n## decode: hf engine vs transformers generate, prompt {args.prompt_len} + "
+        f"{args.new_tokens} new tokens, bf16, sampling T=1"
+    )
+    print(
+        f"floor per step = (weights {wbytes / 1e6:.0f} MB + KV {kv_tok} B/token x tokens held) "
+        f"/ {bw / 1e12:.2f} TB/s (measured copy bandwidth; nominal {NOMINAL_HBM_TB_S} TB/s)"
+    )
+    hdr = (
+        "| batch | arl tok/s | generate tok/s | arl / generate | arl ms/step | "
+        "forward ms | sample ms | rest ms | floor ms | floor / step | before ms/step |"
+    )
+    print(hdr)
+    print("|" + " --- |" * 11)
+    for b in args.batches:
+        e = bench_engine(path, b, args.prompt_len, args.new_tokens)
+        g = bench_generate(path, b, args.prompt_len, args.new_tokens) if args.generate else None
+        before = (
+            bench_engine(path, b, args.prompt_len, args.new_tokens, stock=True)["wall"]
+            if args.before
+            else None
+        )
+        tokens = b * args.new_tokens
+        step = e["wall"] / args.new_tokens
+        held = b * (args.prompt_len + args.new_tokens / 2)  # mean KV tokens read per step
+        floor = (wbytes + kv_tok * held) / bw
+        rest = step - e["forward"] - e["sample"]
+        row = {
+            "batch": b,
+            "arl_tok_s": tokens / e["wall"],
+            "generate_tok_s": tokens / g if g else None,
+            "arl_ms_step": 1e3 * step,
+            "forward_ms": 1e3 * e["forward"],
+            "sample_ms": 1e3 * e["sample"],
+            "rest_ms": 1e3 * rest,
+            "floor_ms": 1e3 * floor,
+            "before_ms_step": 1e3 * before / args.new_tokens if before else None,
+        }
+        rows.append(row)
+        ratio = f"{g / e['wall']:.1f}x" if g else "-"
+        gen = f"{tokens / g:,.0f}" if g else "-"
+        print(
+            f"| {b} | {tokens / e['wall']:,.0f} | {gen} | {ratio} | {1e3 * step:.2f} | "
+            f"{1e3 * e['forward']:.2f} | {1e3 * e['sample']:.2f} | {1e3 * rest:.2f} | "
+            f"{1e3 * floor:.3f} | {floor / step:.2f} | "
+            + (f"{1e3 * before / args.new_tokens:.2f} |" if before else "- |"),
+            flush=True,
+        )
+    return rows
+
+
+# ---- train ----------------------------------------------------------------------------------
+def _train_batch(vocab: int, n_groups: int, group: int, prompt: int, completion: int) -> dict:
+    from arl.algo.packing import concat_shards
+
+    g = torch.Generator().manual_seed(0)
+    shards = []
+    width = prompt + completion
+    for _ in range(n_groups):
+        lens = torch.randint(completion // 2, completion + 1, (group,), generator=g)
+        am = torch.arange(width)[None] < (prompt + lens)[:, None]
+        lm = am & (torch.arange(width)[None] >= prompt)
+        shards.append(
+            {
+                "input_ids": torch.randint(0, vocab, (group, width), generator=g) * am,
+                "attention_mask": am,
+                "loss_mask": lm,
+                "logprobs": torch.where(lm, -10.8, 0.0),
+                "versions": torch.where(lm, 0, -1).int(),
+                "rewards": (torch.arange(group) % 2).float(),
+            }
+        )
+    return concat_shards(shards)
+
+
+def run_train(args: argparse.Namespace, path: str, floors: dict) -> dict:
+    import socket
+
+    from transformers import AutoConfig
+
+    from arl.config import ActorConfig
+    from arl.engines.fsdp import FSDPEngine
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = ActorConfig(path=path, lr=1e-6, max_tokens_per_mb=args.train_mb_tokens)
+    eng = FSDPEngine(
+        cfg, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}", device="cuda"
+    )
+    try:
+        vocab = AutoConfig.from_pretrained(path).vocab_size
+        batch = _train_batch(vocab, 16, 4, 128, 384)
+        tokens = int(batch["attention_mask"].sum())
+
+        def step() -> tuple[float, float]:
+            _sync()
+            t0 = time.perf_counter()
+            b = dict(batch, prox_logp=eng.compute_logp(batch))
+            _sync()
+            t1 = time.perf_counter()
+            eng.ppo_update(eng.compute_advantages(b))
+            _sync()
+            return t1 - t0, time.perf_counter() - t1
+
+        step()
+        t_logp, t_upd = zip(*(step() for _ in range(3)), strict=True)
+        t_logp, t_upd = statistics.median(t_logp), statistics.median(t_upd)
+    finally:
+        eng.destroy()
+    wbytes, _ = model_bytes(path)
+    n_params = wbytes / 2
+    peak = floors.get("bf16_flops", float("nan"))
+    mfu_logp = 2 * n_params * tokens / t_logp / peak
+    mfu_upd = 6 * n_params * tokens / t_upd / peak
+    print(f"\n## train: FSDP2 one rank, bf16, {tokens} tokens (64 samples, 128 + <=384)")
+    print("| phase | tokens/s | model FLOP utilisation vs measured bf16 peak |")
+    print("| --- | --- | --- |")
+    print(f"| compute_logp | {tokens / t_logp:,.0f} | {100 * mfu_logp:.1f}% |")
+    print(f"| advantages + ppo_update | {tokens / t_upd:,.0f} | {100 * mfu_upd:.1f}% |")
+    print(f"| whole step | {tokens / (t_logp + t_upd):,.0f} | |", flush=True)
+    return {"tokens": tokens, "logp_tok_s": tokens / t_logp, "update_tok_s": tokens / t_upd}
+
+
+# ---- weight sync ----------------------------------------------------------------------------
+def run_sync(args: argparse.Namespace, path: str, floors: dict) -> list[dict]:
+    from arl.config import Config, apply_overrides
+    from arl.stats.logger import read_jsonl
+    from arl.trainer import run
+
+    out = []
+    print("\n## weight sync: engine and trainer on one GPU, real arl nodes, 3 steps each")
+    print("| mode | seconds paused (median) | MB per sync | GB/s | D2D-copy floor s | floor / s |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for mode in args.sync_modes:
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = apply_overrides(
+                Config(),
+                [
+                    f"experiment.run_dir={tmp}",
+                    "experiment.name=bench-sync",
+                    "experiment.total_train_steps=3",
+                    f"actor.path={path}",
+                    "data.loader=arl.data.arith:load_arith",
+                    "data.batch_size=4",
+                    "data.max_prompt_len=128",
+                    "rollout.reward=arl.rewards.arith:arith_reward",
+                    "rollout.max_head_offpolicyness=1",
+                    "gconfig.n_samples=4",
+                    "gconfig.max_new_tokens=16",
+                    "cluster.n_gpus=1",
+                    "cluster.heartbeat_timeout=120",
+                    "stats.tensorboard=false",
+                    "stats.progress_bar=false",
+                    "saver.hf_export=false",
+                    "weight_sync.verify=true",
+                    f"weight_sync.mode={mode}",
+                ],
+            )
+            cfg.validate()
+            asyncio.run(run(cfg))
+            rows = read_jsonl(cfg.run_path / "metrics.jsonl")
+        paused = statistics.median(r["sync/paused_s"] for r in rows)
+        nbytes = rows[-1].get("sync/bytes") or model_bytes(path)[0]
+        ok = all(r.get("sync/checksum_match") for r in rows)
+        floor = 2 * nbytes / floors.get("hbm_bytes_s", NOMINAL_HBM_TB_S * 1e12)
+        out.append({"mode": mode, "paused_s": paused, "bytes": nbytes, "checksum_ok": ok})
+        print(
+            f"| {mode} | {paused:.4f} | {nbytes / 1e6:.0f} | {nbytes / paused / 1e9:.1f} | "
+            f"{floor:.5f} | {floor / paused:.3f} |" + ("" if ok else " CHECKSUM MISMATCH"),
+            flush=True,
+        )
+    return out
+
+
+# ---- main -----------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m arl.bench gpu", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder for --model random")
+    p.add_argument("--only", nargs="*", default=["floors", "decode", "train", "sync"])
+    p.add_argument("--batches", type=int, nargs="*", default=[1, 64, 256])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--no-generate", dest="generate", action="store_false")
+    p.add_argument(
+        "--no-before",
+        dest="before",
+        action="store_false",
+        help="skip the engine as it was before the decode fixes (stock sdpa, no compiled blocks)",
+    )
+    p.add_argument("--train-mb-tokens", type=int, default=8192)
+    p.add_argument("--sync-modes", nargs="*", default=["ipc", "zmq", "disk"])
+    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("arl.bench gpu needs a CUDA device", file=sys.stderr)
+        return 2
+    print(f"# arl.bench gpu on {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = prepare_model(args.model, args.tokenizer, Path(tmp))
+        floors = measure_floors() if "floors" in args.only else {}
+        if floors:
+            print(
+                f"\n## floors: HBM copy {floors['hbm_bytes_s'] / 1e12:.2f} TB/s (nominal "
+                f"{NOMINAL_HBM_TB_S}), bf16 matmul {floors['bf16_flops'] / 1e12:.0f} TFLOP/s"
+            )
+            results["floors"] = floors
+        if "decode" in args.only:
+            results["decode"] = run_decode(args, path, floors)
+        if "train" in args.only:
+            results["train"] = run_train(args, path, floors)
+        if "sync" in args.only:
+            os.environ.setdefault("ARL_CACHE", str(Path(tmp) / "cache"))
+            results["sync"] = run_sync(args, path, floors)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
