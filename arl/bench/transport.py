@@ -8,8 +8,12 @@ Measured in one run on this machine:
   is its byte count, at 1, 16 and 256 MiB.
 - The floors: an in-process memcpy of the same bytes into a preallocated buffer (``Tensor.copy_``),
   and for round trips plain synchronous pyzmq (no auth, no event loop) echoing an arl header.
+- The event-loop adapter alone: the same pyzmq round trips with the caller's side driven by arl's
+  `LoopSocket`, and by ``zmq.asyncio`` (what arl used before), on the same loop.
 - The peer: HTTP + pickle, a stdlib ``http.server`` in a subprocess that unpickles a tensor
   POSTed with ``http.client`` (keep-alive, Nagle off). Pickle lives here and nowhere else in arl.
+- CPU per round trip, both processes with all their threads (Linux ``/proc``): on a loaded
+  machine a sequential round trip costs about the CPU its two sides spend, one after the other.
 
 Targets (issue 2): p50 <= 200 us; tcp bulk >= 5x HTTP+pickle.
 """
@@ -18,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import http.client
+import math
 import os
 import platform
 import socket
@@ -26,17 +32,19 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 import zmq
+import zmq.asyncio
 
 from arl.control.controller import Controller
 from arl.control.launcher import LocalNodes
 from arl.wire.codec import Message, encode_message
-from arl.wire.sockets import Security, new_secret
+from arl.wire.sockets import LoopSocket, Security, new_secret
 
 MIB = 1 << 20
 P50_TARGET_US = 200.0
@@ -59,10 +67,11 @@ class Sink:
 
 @attrs.define
 class Latency:
-    """Round-trip times of one kind of call, in microseconds."""
+    """Round-trip times of one kind of call, in microseconds, and the CPU each call took."""
 
     name: str
     samples_us: list[float]
+    cpu_us: float = math.nan  # CPU per call, both processes (all their threads) together
 
     def pct(self, q: float) -> float:
         """The q-th percentile (0-100)."""
@@ -84,6 +93,27 @@ class Bulk:
         return self.nbytes / statistics.median(self.seconds) / 1e9
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process (all its threads) has used; nan without /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _CpuMeter:
+    """CPU used by the two processes of a round trip from now on, per call."""
+
+    def __init__(self, *pids: int):
+        self.pids = pids
+        self.start = [_cpu_seconds(p) for p in pids]
+
+    def per_call_us(self, calls: int) -> float:
+        used = sum(_cpu_seconds(p) - s for p, s in zip(self.pids, self.start, strict=True))
+        return used / calls * 1e6
+
+
 # ---- arl: a Controller and one real node ----------------------------------------------------
 
 
@@ -102,16 +132,23 @@ async def measure_arl(
     """Round trips and bulk transfers between a Controller and one local node."""
     security = Security(new_secret())
     async with Controller(security) as ctl:
-        async with LocalNodes(ctl.address, security, [{"OMP_NUM_THREADS": "1"}]):
+        async with LocalNodes(ctl.address, security, [{"OMP_NUM_THREADS": "1"}]) as nodes:
             (node,) = await ctl.wait_for_nodes(1, timeout=120)
+            pids = os.getpid(), nodes.procs[0].pid
             sink = await node.create("arl.bench.transport:Sink")
             await _time_calls(sink.noop, warmup)
+            cpu = _CpuMeter(*pids)
+            samples = await _time_calls(sink.noop, calls)
             latencies = [
-                Latency("arl call, async method (node loop)", await _time_calls(sink.noop, calls))
+                Latency("arl call, async method (node loop)", samples, cpu.per_call_us(calls))
             ]
             await _time_calls(sink.noop_blocking, warmup // 4)
-            blocking = await _time_calls(sink.noop_blocking, max(calls // 4, 100))
-            latencies.append(Latency("arl call, blocking method (engine thread)", blocking))
+            n = max(calls // 4, 100)
+            cpu = _CpuMeter(*pids)
+            samples = await _time_calls(sink.noop_blocking, n)
+            latencies.append(
+                Latency("arl call, blocking method (engine thread)", samples, cpu.per_call_us(n))
+            )
             bulk = []
             for size in sizes:
                 t = torch.empty(size, dtype=torch.uint8).fill_(7)
@@ -128,46 +165,86 @@ async def measure_arl(
     return latencies, bulk
 
 
-# ---- the floor of a round trip: plain pyzmq ----------------------------------------------------
+# ---- the floor of a round trip, and arl's event-loop adapter against zmq.asyncio ---------------
+
+# The peer of the pyzmq rows: a sync DEALER echoing each message (a subprocess importing only zmq).
+_ECHO_SERVER = """
+import sys, zmq
+sock = zmq.Context().socket(zmq.DEALER)
+sock.linger = 0
+sock.connect(sys.argv[1])
+sock.send(b"ready")
+while True:
+    sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
+"""
 
 
-def serve_zmq_echo(address: str) -> None:
-    """The round-trip floor's server (run in a subprocess): a sync DEALER echoing each message."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.linger = 0
-    sock.connect(address)
-    sock.send(b"ready")
-    while True:
-        sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
-
-
-def measure_zmq_floor(calls: int, warmup: int) -> Latency:
-    """Sequential round trips of an arl-sized header over plain sync pyzmq (no auth, no arl)."""
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.linger = 0
+@contextlib.contextmanager
+def _echo_peer(router: zmq.Socket) -> Iterator[tuple[bytes, int]]:
+    """An echo subprocess connected to ``router`` (a sync ROUTER); yields (identity, pid)."""
     address = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
-    code = f"from arl.bench.transport import serve_zmq_echo; serve_zmq_echo({address!r})"
-    proc = subprocess.Popen([sys.executable, "-c", code])
+    proc = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER, address])
     try:
         if not router.poll(120_000):
             raise RuntimeError("the pyzmq echo subprocess did not start within 120 s")
         identity, _ = router.recv_multipart()
-        header = encode_message(Message("call", 1, "call", {"obj": "s", "method": "noop"}))
-        samples = []
-        for i in range(warmup + calls):
-            t0 = time.perf_counter_ns()
-            router.send_multipart([identity, *header])
-            router.recv_multipart()
-            if i >= warmup:
-                samples.append((time.perf_counter_ns() - t0) / 1e3)
-        return Latency("plain pyzmq, sync, no auth (floor)", samples)
+        yield identity, proc.pid
     finally:
         proc.kill()
         proc.wait()
-        router.close()
-        ctx.term()
+
+
+async def _async_round_trips(sock: Any, identity: bytes, calls: int, warmup: int) -> list[float]:
+    header = encode_message(Message("call", 1, "call", {"obj": "s", "method": "noop"}))
+    samples = []
+    for i in range(warmup + calls):
+        t0 = time.perf_counter_ns()
+        await sock.send_multipart([identity, *header])
+        await sock.recv_multipart()
+        if i >= warmup:
+            samples.append((time.perf_counter_ns() - t0) / 1e3)
+    return samples
+
+
+def measure_zmq_one_side(calls: int, warmup: int) -> list[Latency]:
+    """Sequential round trips of an arl-sized header to a sync pyzmq echo (no auth, no arl).
+
+    The caller's side is plain sync pyzmq (the floor), then `LoopSocket` and ``zmq.asyncio`` on
+    this benchmark's event loop: the difference is what one async side costs per round trip.
+    """
+    out = []
+    for name, wrap in [
+        ("plain pyzmq, sync, no auth (floor)", None),
+        ("pyzmq + arl LoopSocket, caller side async", LoopSocket),
+        ("pyzmq + zmq.asyncio (arl before), caller side async", zmq.asyncio.Socket),
+    ]:
+        ctx = zmq.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.linger = 0
+        try:
+            with _echo_peer(router) as (identity, pid):
+                cpu = _CpuMeter(os.getpid(), pid)  # counts the warm-up calls too
+                if wrap is None:
+                    samples = _sync_round_trips(router, identity, calls, warmup)
+                else:
+                    samples = _run(_async_round_trips(wrap(router), identity, calls, warmup))
+                out.append(Latency(name, samples, cpu.per_call_us(calls + warmup)))
+        finally:
+            router.close()  # also closes the wrappers (they share the libzmq socket)
+            ctx.term()
+    return out
+
+
+def _sync_round_trips(router: zmq.Socket, identity: bytes, calls: int, warmup: int) -> list[float]:
+    header = encode_message(Message("call", 1, "call", {"obj": "s", "method": "noop"}))
+    samples = []
+    for i in range(warmup + calls):
+        t0 = time.perf_counter_ns()
+        router.send_multipart([identity, *header])
+        router.recv_multipart()
+        if i >= warmup:
+            samples.append((time.perf_counter_ns() - t0) / 1e3)
+    return samples
 
 
 # ---- the peer: HTTP + pickle ----------------------------------------------------------------
@@ -234,10 +311,12 @@ def measure_http(
         for _ in range(warmup):
             post(None)
         samples = []
+        cpu = _CpuMeter(os.getpid(), proc.pid)
         for _ in range(calls):
             t0 = time.perf_counter_ns()
             post(None)
             samples.append((time.perf_counter_ns() - t0) / 1e3)
+        latency = Latency("HTTP + pickle, empty POST", samples, cpu.per_call_us(calls))
         bulk = []
         for size in sizes:
             t = torch.empty(size, dtype=torch.uint8).fill_(7)
@@ -250,7 +329,7 @@ def measure_http(
                 times.append(time.perf_counter() - t0)
             bulk.append(Bulk("HTTP + pickle (http.server)", size, times))
         conn.close()
-        return Latency("HTTP + pickle, empty POST", samples), bulk
+        return latency, bulk
     finally:
         proc.terminate()
         proc.wait(10)
@@ -303,11 +382,12 @@ def report(
         f" pyzmq {zmq.__version__} / libzmq {zmq.zmq_version()}, loop {_loop_name()},"
         f" load average {os.getloadavg()[0]:.1f} at the end)",
         "",
-        "| round trip (sequential) | calls | p50 µs | p99 µs |",
-        "| --- | ---: | ---: | ---: |",
+        "| round trip (sequential) | calls | p50 µs | p99 µs | CPU µs/call, both sides |",
+        "| --- | ---: | ---: | ---: | ---: |",
     ]
     lines += [
-        f"| {lat.name} | {len(lat.samples_us)} | {lat.pct(50):.0f} | {lat.pct(99):.0f} |"
+        f"| {lat.name} | {len(lat.samples_us)} | {lat.pct(50):.0f} | {lat.pct(99):.0f}"
+        f" | {'-' if math.isnan(lat.cpu_us) else f'{lat.cpu_us:.0f}'} |"
         for lat in latencies
     ]
     lines += [
@@ -370,11 +450,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
 
     latencies, arl = _run(measure_arl(calls, warmup, sizes, reps))
-    floor_latency = measure_zmq_floor(calls, warmup)
+    one_side = measure_zmq_one_side(calls, warmup)
     http_latency, http = measure_http(max(calls // 4, 100), warmup // 4, sizes, reps)
     memcpy = measure_memcpy(sizes, reps)
     command = "python -m arl.bench transport" + (" " + " ".join(argv) if argv else "")
-    print(report([*latencies, floor_latency, http_latency], memcpy, arl, http, command))
+    print(report([*latencies, *one_side, http_latency], memcpy, arl, http, command))
     return 0
 
 

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from arl.wire.codec import (
     Message,
@@ -149,7 +148,7 @@ class Controller:
 
     # ---- lifetime ---------------------------------------------------------------------------
     async def __aenter__(self) -> Controller:
-        self.ctx = zmq.asyncio.Context()
+        self.ctx = zmq.Context()
         self.auth = Authenticator(self.ctx, self.security)
         self.sock = make_socket(
             self.ctx,
@@ -159,7 +158,13 @@ class Controller:
             max_message_bytes=self.max_message_bytes,
         )
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.address = bind_tcp(self.sock, self.host, self.port)
+        try:
+            self.address = bind_tcp(self.sock, self.host, self.port)
+        except zmq.ZMQError:  # e.g. the port is taken: end the ZAP thread and the context
+            self.auth.stop()
+            self.sock.close(0)
+            self.ctx.term()
+            raise
         self._tasks = [
             asyncio.create_task(self._recv_loop(), name="arl-controller-recv"),
             asyncio.create_task(self._heartbeat_loop(), name="arl-controller-hb"),

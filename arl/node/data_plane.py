@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 import zmq
-import zmq.asyncio
 
 from arl.control.rtensor import RTensor, ShardRef, is_wire_rtensor
 from arl.node.shard_store import (
@@ -38,7 +37,7 @@ from arl.node.shard_store import (
     sweep_orphans,
 )
 from arl.wire.codec import Message, WireError, decode_message, encode_message, peek_id
-from arl.wire.sockets import Security, host_id, make_socket
+from arl.wire.sockets import LoopSocket, Security, host_id, make_socket
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +96,7 @@ class DataPlaneServer:
     def __init__(
         self,
         store: ShardStore,
-        socket: zmq.asyncio.Socket,
+        socket: LoopSocket,
         *,
         node_id: str | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -204,7 +203,7 @@ class DataPlaneServer:
 class _Peer:
     """One owner node's connection: a DEALER, its reader task, and the requests in flight."""
 
-    def __init__(self, node: str, addr: str, sock: zmq.asyncio.Socket):
+    def __init__(self, node: str, addr: str, sock: LoopSocket):
         self.node, self.addr, self.sock = node, addr, sock
         self.host: str | None = None
         self.pending: dict[int, asyncio.Queue] = {}
@@ -238,7 +237,7 @@ class DataPlaneClient:
         self,
         store: ShardStore,
         *,
-        ctx: zmq.asyncio.Context,
+        ctx: zmq.Context,
         security: Security,
         node_id: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
@@ -432,9 +431,9 @@ class NodeDataPlane:
         *,
         run_id: str,
         node_id: str,
-        ctx: zmq.asyncio.Context,
+        ctx: zmq.Context,
         security: Security,
-        socket: zmq.asyncio.Socket,
+        socket: LoopSocket,
         shared_memory: bool = True,
         timeout: float = DEFAULT_TIMEOUT,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
