@@ -1,9 +1,9 @@
 """Bring up a run's processes from its config: controller, nodes, roles (DESIGN §1, §8).
 
 ``async with start_cluster(cfg, plan) as cluster`` binds the controller, starts the nodes the
-way ``cluster.launcher`` says (local subprocesses, one ``srun`` step, or none for attach), waits
-for them to say hello, and pairs each with its place in the plan. Leaving the block ends every
-process it started, whatever the reason.
+way ``cluster.launcher`` says (local subprocesses, one ``srun`` step, Ray actors, or none for
+attach), waits for them to say hello, and pairs each with its place in the plan. Leaving the
+block ends every process it started, whatever the reason.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from arl.config import Config
 from arl.control.controller import Controller, NodeHandle
 from arl.control.launcher import LocalNodes, SlurmNodes
 from arl.control.placement import NodeSpec
+from arl.control.ray_launcher import RayNodes
 from arl.wire.sockets import SECRET_ENV, Security, new_secret, read_secret_file, routable_host
 
 log = logging.getLogger("arl.cluster")
@@ -88,7 +89,30 @@ async def start_cluster(
         and os.environ.get("SLURM_JOB_NUM_NODES", "1") != "1"
     ):
         host = routable_host()  # nodes on other hosts must reach the controller
+    names = [f"{s.role}{s.rank}" for s in plan]
+    command_kw = dict(
+        allowed_prefixes=c.allowed_import_prefixes,
+        heartbeat_interval=c.heartbeat_interval,
+        heartbeat_timeout=c.heartbeat_timeout,
+    )
     async with AsyncExitStack() as stack:
+        ray_nodes = None
+        if c.launcher == "ray":  # connect and reserve first: Ray says where the nodes will be
+            ray_nodes = await stack.enter_async_context(
+                RayNodes(
+                    security,
+                    plan,
+                    node_ids=names,
+                    address=c.ray_address,
+                    namespace=c.ray_namespace,
+                    cpus={"rollout": c.ray_rollout_cpus, "train": c.ray_train_cpus},
+                    strategy=c.ray_placement_strategy,
+                    placement_timeout=c.ray_placement_timeout,
+                    cpu_threads=c.cpu_threads_per_node,
+                    **command_kw,
+                )
+            )
+            host = ray_nodes.controller_host(host)
         ctl = await stack.enter_async_context(
             Controller(
                 security,
@@ -99,12 +123,6 @@ async def start_cluster(
                 max_message_bytes=cfg.transport.max_message_bytes,
                 inline_threshold=cfg.transport.inline_threshold_bytes,
             )
-        )
-        names = [f"{s.role}{s.rank}" for s in plan]
-        command_kw = dict(
-            allowed_prefixes=c.allowed_import_prefixes,
-            heartbeat_interval=c.heartbeat_interval,
-            heartbeat_timeout=c.heartbeat_timeout,
         )
         if c.launcher in ("local", "embedded"):
             await stack.enter_async_context(
@@ -120,6 +138,8 @@ async def start_cluster(
             await stack.enter_async_context(
                 SlurmNodes(ctl.address, security, len(plan), srun_args=c.srun_args, **command_kw)
             )
+        elif ray_nodes is not None:
+            await ray_nodes.start(ctl.address)
         else:  # attach: a job script starts `arl-node --controller ...` itself
             log.warning("waiting for %d nodes to attach to %s", len(plan), ctl.address)
         n = c.n_nodes or len(plan)

@@ -4,9 +4,13 @@
   Ctrl-C, on an exception, and (through PR_SET_PDEATHSIG plus the heartbeat timeout) when the
   launcher itself is killed.
 - `SlurmNodes`: inside an allocation, one ``srun arl-node ...`` step starts every node.
+- `arl.control.ray_launcher.RayNodes`: on an existing Ray cluster, one Ray actor per node (in
+  a placement group holding the GPUs and CPUs of its role) starts and supervises its
+  ``arl-node``; ``ray`` is imported there only, and only when that mode is used.
 - attach mode starts nothing: nodes started elsewhere (a job script) connect by themselves.
 
-The run secret reaches spawned nodes through the environment, never the command line.
+Whatever starts them, the nodes are the same daemon and talk to the controller over arl's own
+sockets. The run secret reaches spawned nodes through the environment, never the command line.
 """
 
 from __future__ import annotations
