@@ -58,9 +58,12 @@ def detect_gpus(cfg: Config) -> int:
 
 
 def _run(cfg: Config) -> int:
+    """Run the experiment; with ``recover.mode=auto`` restart it from the last recovery
+    checkpoint after a recoverable failure, at most ``recover.retries`` times."""
+    from arl.ckpt.recovery import CheckpointError
     from arl.control.controller import NodeLost, RemoteError
     from arl.control.rollout import RolloutFailed
-    from arl.trainer import run
+    from arl.trainer import CallTimeout, run
 
     try:
         import uvloop
@@ -68,18 +71,53 @@ def _run(cfg: Config) -> int:
         runner = asyncio.run
     else:
         runner = uvloop.run
-    try:
-        runner(run(cfg))
-    except (NodeLost, RolloutFailed, RemoteError) as e:
-        # The cluster is down by now (every node was ended); say what failed, where.
-        print(f"error: the run stopped: {e}", file=sys.stderr)
-        if cfg.recover.mode == "auto":
+    restarts = 0
+    while True:
+        try:
+            runner(run(cfg))
+            return 0
+        except (NodeLost, RolloutFailed, CallTimeout, RemoteError, CheckpointError) as e:
+            # The cluster is down by now (every process of the attempt was ended).
+            print(f"error: the run stopped: {e}", file=sys.stderr)
+            if cfg.recover.mode != "auto":
+                return 1
+            if not recoverable(e):
+                print(
+                    "recovery: not restarting (this error would happen again); once it is "
+                    "fixed, run the same command to resume from the last checkpoint",
+                    file=sys.stderr,
+                )
+                return 1
+            if restarts >= cfg.recover.retries:
+                print(
+                    f"error: giving up after {restarts} restart(s) (recover.retries="
+                    f"{cfg.recover.retries})",
+                    file=sys.stderr,
+                )
+                return 1
+            restarts += 1
             print(
-                "recovery is on: run the same command again to resume from the last checkpoint",
+                f"recovery: restarting the run from its last checkpoint (restart {restarts} of "
+                f"at most {cfg.recover.retries})",
                 file=sys.stderr,
             )
-        return 1
-    return 0
+
+
+def recoverable(exc: BaseException) -> bool:
+    """Whether a fresh cluster may get past ``exc``: a node that died, stopped answering, or
+    hung in a call is worth a restart; an exception raised by code (a bug, bad data, a full
+    disk) would only happen again."""
+    from arl.control.controller import NodeLost
+    from arl.trainer import CallTimeout
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, NodeLost | CallTimeout):
+            return True
+        if getattr(seen, "type_name", "") == "ServerExited":  # a node's inference server died
+            return True
+        seen = seen.__cause__
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:

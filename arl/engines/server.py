@@ -15,6 +15,7 @@ import asyncio
 import atexit
 import contextlib
 import ctypes
+import inspect
 import json as _json
 import logging
 import os
@@ -24,8 +25,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import aiohttp
 
@@ -33,6 +35,9 @@ log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.05
+_EXIT_GRACE_S = 1.0  # how long a failed request waits for the watchdog to confirm an exit
+
+T = TypeVar("T")
 
 
 class ServerError(RuntimeError):
@@ -41,6 +46,14 @@ class ServerError(RuntimeError):
 
 class ServerStartError(ServerError):
     """The server exited or did not become healthy in time; the message ends with its log."""
+
+
+class ServerExited(ServerError):
+    """The inference server exited while its engine was in use (killed, crashed, out of memory).
+
+    The message names the server, its pid and exit status, and ends with the last lines of its
+    log. Every request in flight when it exited, and every later one, raises it.
+    """
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -119,6 +132,29 @@ class ServerProcess:
     def running(self) -> bool:
         """True while the server's main process has not exited."""
         return self._proc is not None and self._proc.poll() is None
+
+    async def wait_exit(self, poll_s: float = 0.2) -> int:
+        """Wait until the server's main process exits; returns its exit code (-N: signal N)."""
+        if self._proc is None:
+            raise ServerError(f"{self.name} was not started")
+        while (code := self._proc.poll()) is None:
+            await asyncio.sleep(poll_s)
+        return code
+
+    def exit_error(self) -> ServerExited:
+        """A `ServerExited` describing how the (exited) server ended, with its log's last lines."""
+        code = self._proc.poll() if self._proc is not None else None
+        if code is None:
+            status = "still running"
+        elif code < 0:
+            status = f"killed by signal {_signal_name(-code)}, exit code {code}"
+        else:
+            status = f"exit code {code}"
+        lines = self.log_tail(4000).splitlines()[-20:]
+        return ServerExited(
+            f"{self.name} inference server exited (pid {self.pid}, {status}); command: "
+            f"{' '.join(self.argv)}\n--- last lines of {self.log_path} ---\n" + "\n".join(lines)
+        )
 
     def log_tail(self, n_chars: int = 3000) -> str:
         """The last ``n_chars`` of the server's log."""
@@ -268,6 +304,13 @@ class ServerProcess:
             server.stop_sync()
 
 
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return str(num)
+
+
 def _death_signal_hook():
     """A ``preexec_fn`` that sets the parent-death signal, or None where prctl does not exist.
 
@@ -318,6 +361,10 @@ class HttpServerEngine:
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._inflight = 0
+        # The watchdog: set when the server exits while the engine is open (not by `close`).
+        self._failure: ServerExited | None = None
+        self._failed = asyncio.Event()
+        self._watchdog: asyncio.Task | None = None
 
     @property
     def base_url(self) -> str:
@@ -333,13 +380,33 @@ class HttpServerEngine:
             connector=aiohttp.TCPConnector(limit=self._max_connections),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),
         )
+        self._watchdog = asyncio.create_task(self._watch(), name=f"arl-{self.engine_name}-watch")
+
+    async def _watch(self) -> None:
+        """Notice the server's exit at once, not at the next request: fail what is in flight."""
+        await self.server.wait_exit()
+        self._failure = self.server.exit_error()
+        log.error("%s", self._failure)
+        self._failed.set()
+
+    async def wait_failed(self) -> ServerExited:
+        """Wait until the server exits on its own (never returns after a clean `close`)."""
+        await self._failed.wait()
+        assert self._failure is not None
+        return self._failure
 
     async def close(self) -> None:
         """Close the HTTP session and end the server (its whole process group)."""
+        if self._watchdog is not None:  # an exit caused by close() is not a failure
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
+            self._watchdog = None
         if self._session is not None:
             await self._session.close()
             self._session = None
-        await self.server.stop()
+        # After a crash, what is left of the server's group gets no long grace: nothing of it
+        # is worth a clean shutdown, and its node is leaving.
+        await self.server.stop(grace_s=2.0 if self._failure is not None else 15.0)
 
     async def __aenter__(self):
         await self.start()
@@ -367,6 +434,8 @@ class HttpServerEngine:
 
     async def health(self) -> dict:
         """Server liveness and engine state; raises `ServerError` if the server is unusable."""
+        if self._failure is not None:
+            raise self._failure
         if not self.server.running():
             raise ServerError(
                 f"{self.engine_name} server (pid {self.server.pid}) is not running; see its log "
@@ -394,7 +463,27 @@ class HttpServerEngine:
 
     async def _admit(self) -> None:
         """Wait while paused: a request sent now would only be held by the server."""
-        await self._resumed.wait()
+        await self._guard(self._resumed.wait())
+
+    async def _guard(self, aw: Awaitable[T]) -> T:
+        """Await ``aw`` unless the server exits first; then raise its `ServerExited`."""
+        if self._failure is not None:
+            if inspect.iscoroutine(aw):
+                aw.close()  # never started
+            raise self._failure
+        task = asyncio.ensure_future(aw)
+        failed = asyncio.ensure_future(self._failed.wait())
+        try:
+            await asyncio.wait({task, failed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            failed.cancel()
+            if not task.done():
+                task.cancel()
+        if task.done() and not task.cancelled():
+            return task.result()
+        await asyncio.gather(task, return_exceptions=True)  # the server exited first
+        assert self._failure is not None
+        raise self._failure
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -423,7 +512,8 @@ class HttpServerEngine:
         """
         timeout = self._control_timeout() if control else None
         url = self.base_url + path
-        try:
+
+        async def send() -> tuple[str, str]:
             async with self._http().request(
                 method, url, json=json, params=params, timeout=timeout
             ) as resp:
@@ -433,12 +523,22 @@ class HttpServerEngine:
                         f"{self.engine_name} {method} {path} failed with HTTP {resp.status}: "
                         f"{text[:1000]}"
                     )
+                return text, resp.content_type
+
+        try:
+            text, content_type = await self._guard(send())
         except aiohttp.ClientError as exc:
+            # A dropped connection is usually the server dying: give the watchdog a moment to
+            # see the exit, so the caller learns why (exit status, log) rather than "reset".
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._failed.wait(), _EXIT_GRACE_S)
+            if self._failure is not None:
+                raise self._failure from exc
             alive = "running" if self.server.running() else "not running"
             raise ServerError(
                 f"{self.engine_name} {method} {path} at {self.base_url} failed: {exc!r} (server "
                 f"{alive}; log {self.server.log_path})"
             ) from exc
-        if resp.content_type == "application/json":
+        if content_type == "application/json":
             return _json.loads(text)
         return text

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import gc
 import importlib
 import inspect
 import logging
@@ -32,7 +33,6 @@ import traceback
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from arl.wire.codec import (
     Message,
@@ -145,7 +145,7 @@ class NodeDaemon:
     # ---- main loop --------------------------------------------------------------------------
     async def run(self) -> str:
         """Serve until stopped; returns why the node stopped."""
-        self.ctx = zmq.asyncio.Context()
+        self.ctx = zmq.Context()
         self.auth = Authenticator(self.ctx, self.security)
         # No ZMQ_MAXMSGSIZE on the control DEALER: a frame over it makes libzmq close the link to
         # the controller for good (no reconnect after a protocol error) and the node goes deaf.
@@ -295,9 +295,10 @@ class NodeDaemon:
         try:
             result = await self.dispatch(msg.method, msg.args if msg.args is not None else {})
             reply = Message("ok", msg.id, msg.method, result)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, KeyboardInterrupt, SystemExit, GeneratorExit):
             raise
-        except Exception as e:
+        except BaseException as e:  # also torch's CheckpointException, a BaseException: an
+            # unanswered call would leave the caller waiting forever (found by a full disk)
             reply = Message("err", msg.id, msg.method, error_payload(e))
         try:
             await self._send(reply)
@@ -349,6 +350,10 @@ class NodeDaemon:
         if hasattr(obj, "attach_node"):
             obj.attach_node(self)  # lets rollout workflows reach the shard store and events
         self.objects[name] = obj
+        # Importing torch leaves ~10^5 long-lived objects that every full collection walks,
+        # stalling this loop (and its heartbeats and pause calls) for 0.3-0.6 s; keep them out
+        # of the collector's way.
+        gc.freeze()
         return name
 
     async def _call(self, name: str, method: str, args: list, kwargs: dict) -> Any:

@@ -1,5 +1,6 @@
-"""Faults during a real run: a node killed with SIGKILL stops the run with a clear error naming
-it, and no process of the run is left behind."""
+"""Faults during a real run: a node killed with SIGKILL, or stopped with SIGSTOP (alive, but its
+heartbeats stop), stops the run with a clear error naming it and what it was doing, and no
+process of the run is left behind (the stopped one included)."""
 
 from __future__ import annotations
 
@@ -43,8 +44,12 @@ def _alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
-@pytest.mark.parametrize("victim", ["rollout0", "train0"])
-def test_killed_node_stops_the_run_naming_it(tmp_path, tiny_model, victim):
+@pytest.mark.parametrize(
+    ("victim", "sig"),
+    [("rollout0", signal.SIGKILL), ("train0", signal.SIGKILL), ("train0", signal.SIGSTOP)],
+    ids=["kill-rollout0", "kill-train0", "stop-train0"],
+)
+def test_lost_node_stops_the_run_naming_it(tmp_path, tiny_model, victim, sig):
     cmd = [
         sys.executable,
         "-m",
@@ -78,12 +83,14 @@ def test_killed_node_stops_the_run_naming_it(tmp_path, tiny_model, victim):
         nodes = {pid: args for pid, args in _children(proc.pid).items() if "arl.node" in args}
         assert len(nodes) == 2, nodes
         target = next(pid for pid, args in nodes.items() if f"--node-id {victim}" in args)
-        os.kill(target, signal.SIGKILL)  # mid-run: the loop is always rolling out or training
-        _, err = proc.communicate(timeout=60)
+        os.kill(target, sig)  # mid-run: the loop is always rolling out or training
+        _, err = proc.communicate(timeout=90)
     finally:
         proc.kill()
     assert proc.returncode == 1, err[-3000:]
-    assert f"node {victim} was lost" in err and "error: the run stopped" in err, err[-3000:]
+    assert f"error: the run stopped: node {victim} was lost while running" in err, err[-3000:]
+    if sig == signal.SIGSTOP:
+        assert "no heartbeat for" in err, err[-3000:]
     deadline = time.monotonic() + 20
     while any(_alive(p) for p in nodes) and time.monotonic() < deadline:
         time.sleep(0.2)

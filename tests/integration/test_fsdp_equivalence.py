@@ -119,6 +119,11 @@ def rank_main(spec: dict) -> None:
         after = dict(eng.state_dict_for_sync())
         result["nan_unchanged"] = all(torch.equal(after[k], weights[k]) for k in after)
         result["step_after_nan"] = eng.get_step()
+        inf = {**batch, "advantages": torch.full_like(batch["advantages"], math.inf)}
+        result["inf_stats"] = eng.ppo_update(inf)
+        after = dict(eng.state_dict_for_sync())
+        result["inf_unchanged"] = all(torch.equal(after[k], weights[k]) for k in after)
+        result["step_after_inf"] = eng.get_step()
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     eng.destroy()
 
@@ -271,6 +276,11 @@ def test_non_finite_gradient_skips_the_step(runs):
     assert math.isnan(r1["nan_stats"]["grad_norm"])
     assert r1["nan_unchanged"]
     assert r1["step_after_nan"] == 1
+    # An inf loss (inf advantages) is skipped the same way: weights and step count unchanged.
+    assert not math.isfinite(r1["inf_stats"]["loss"])
+    assert r1["inf_stats"]["skipped"] == 1.0 and not math.isfinite(r1["inf_stats"]["grad_norm"])
+    assert r1["inf_unchanged"]
+    assert r1["step_after_inf"] == 1
 
 
 def test_save_hf_reloads_with_the_updated_weights(runs):

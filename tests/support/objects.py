@@ -93,3 +93,19 @@ class ShardLab:
         with open("/proc/self/status") as f:
             rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
         return {**self.node.store.stats(), "rss_kb": rss}
+
+
+class SlowWorkflow:
+    """The RLVR workflow, except that a row with ``"slow": seconds`` first sleeps that long: an
+    episode stuck on a slow tool or server, for the rollout.group_timeout tests."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        from arl.workflows.rlvr import RLVRWorkflow
+
+        self.inner = RLVRWorkflow(*args, **kwargs)
+
+    async def arun_episode(self, engine: Any, data: dict, *args: Any) -> dict:
+        """Sleep ``data["slow"]`` seconds (if set), then run the RLVR episode."""
+        if data.get("slow"):
+            await asyncio.sleep(float(data["slow"]))
+        return await self.inner.arun_episode(engine, data, *args)

@@ -172,3 +172,50 @@ def test_loader_rejects_impossible_batches():
         StatefulLoader([1, 2], batch_size=3)
     with pytest.raises(ValueError, match="batch_size=0"):
         StatefulLoader([1, 2], batch_size=0)
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from transformers import AutoTokenizer
+
+    from arl.engines.model import resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct"))
+
+
+def _workflow(tokenizer, max_prompt_len: int, overflow: str):
+    from arl.engines.base import SamplingParams
+    from arl.workflows.rlvr import RLVRWorkflow
+
+    async def reward(text: str, row: dict) -> float:
+        return 0.0
+
+    return RLVRWorkflow(
+        tokenizer, reward, SamplingParams(), max_prompt_len=max_prompt_len, prompt_overflow=overflow
+    )
+
+
+def test_prompt_over_max_prompt_len_is_a_clear_error_or_truncated(smollm2_tokenizer):
+    from arl.workflows.rlvr import PromptTooLong
+
+    row = {"messages": build_messages("What is 17 * 4? " * 40)}
+    full = _workflow(smollm2_tokenizer, 4096, "error").prompt_ids(row)
+    assert len(full) > 64
+    with pytest.raises(PromptTooLong) as info:
+        _workflow(smollm2_tokenizer, 64, "error").prompt_ids(row)
+    assert str(info.value) == (
+        f"prompt of {len(full)} tokens exceeds data.max_prompt_len=64; raise it or set "
+        "data.prompt_overflow=truncate"
+    )
+    wf = _workflow(smollm2_tokenizer, 64, "truncate")
+    # Left-truncated: the end of the prompt (the generation prompt) is kept, and it is counted.
+    assert wf.prompt_ids(row) == full[-64:]
+    assert wf.truncated_prompts == 1
+    assert _workflow(smollm2_tokenizer, len(full), "error").prompt_ids(row) == full  # at the limit
+    with pytest.raises(ValueError, match="prompt_overflow='drop'"):
+        _workflow(smollm2_tokenizer, 64, "drop")
+
+
+def test_row_without_messages_names_its_keys(smollm2_tokenizer):
+    with pytest.raises(KeyError, match=r"no 'messages' \(keys: \['answer', 'question'\]\)"):
+        _workflow(smollm2_tokenizer, 64, "error").prompt_ids(GOOD)

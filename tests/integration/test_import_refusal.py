@@ -1,0 +1,131 @@
+"""Import strings outside the allowed module prefixes are refused before anything is imported.
+
+Each test points an import string at a module in tmp_path that writes a marker file when it is
+imported, and puts that folder on the import path: the refusal must name the setting and the
+allowed prefixes, and the marker must not exist. A control case shows that the same module,
+allowed, is imported (so the marker does prove an import).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from arl.config import Config, ConfigError, apply_overrides
+from arl.control.controller import RemoteError
+from arl.node.daemon import ImportRefused
+from arl.trainer import load_rows
+from tests.support.cluster import local_cluster
+
+REPO = Path(__file__).resolve().parents[2]
+MODULE = "armed_module"
+
+_SOURCE = """
+\"\"\"Writes a marker file when imported.\"\"\"
+with open(MARKER, "w") as f:
+    f.write("imported")
+
+
+def load(path, split, on_bad_row):
+    return [{"messages": [{"role": "user", "content": "hi"}], "answer": "1"}], {"skipped": 0}
+
+
+class Anything:
+    pass
+"""
+
+
+@pytest.fixture
+def armed(tmp_path, monkeypatch) -> Path:
+    """A module ``armed_module`` importable from tmp_path; returns its marker file's path."""
+    marker = tmp_path / "imported.marker"
+    (tmp_path / f"{MODULE}.py").write_text(_SOURCE.replace("MARKER", repr(str(marker))))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, MODULE, raising=False)
+    return marker
+
+
+@pytest.mark.parametrize("key", ["rollout.workflow", "rollout.reward", "data.loader"])
+def test_launcher_refuses_a_setting_outside_the_prefixes_before_import(armed, tmp_path, key):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    res = subprocess.run(
+        [sys.executable, "-m", "arl.launch", "recipes/arith.py", f"{key}={MODULE}:Anything"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 2, res.stderr[-2000:]
+    line = next(ln for ln in res.stderr.splitlines() if ln.strip().startswith(key))
+    assert f"module {MODULE!r} is not under cluster.allowed_import_prefixes=['arl.']" in line
+    assert not armed.exists()
+
+
+def test_validation_names_the_setting_and_allows_an_added_prefix(armed):
+    cfg = apply_overrides(Config(), [f"data.loader={MODULE}:load"])
+    with pytest.raises(ConfigError, match=r"data\.loader='armed_module:load': module 'armed_mod"):
+        cfg.validate()
+    cfg = apply_overrides(cfg, [f"cluster.allowed_import_prefixes=[arl.,{MODULE}]"])
+    cfg.validate()
+    assert not armed.exists()
+
+
+def test_load_rows_refuses_before_import_and_imports_when_allowed(armed):
+    # load_rows is also the embedded path, where nobody may have called validate().
+    cfg = apply_overrides(
+        Config(), [f"data.loader={MODULE}:load", "cluster.allowed_import_prefixes=[arl.]"]
+    )
+    with pytest.raises(ImportRefused, match=r"allowed prefixes \['arl\.'\]"):
+        load_rows(cfg, "train")
+    assert not armed.exists() and MODULE not in sys.modules
+    # The control: allowed, the module is imported (and the marker written).
+    cfg = apply_overrides(cfg, [f"cluster.allowed_import_prefixes=[arl.,{MODULE}]"])
+    assert len(load_rows(cfg, "train")) == 1
+    assert armed.read_text() == "imported"
+
+
+def test_rollout_node_refuses_engine_workflow_and_reward_outside_its_prefixes(armed, tmp_path):
+    """The node checks all three before importing any of them, naming the one refused."""
+    target = f"{MODULE}:Anything"
+    cases = {
+        "engine": {"engine": target},
+        "rollout.workflow": {"workflow": target},
+        "rollout.reward": {"reward": target},
+    }
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+
+    async def main():
+        errors = {}
+        async with local_cluster(1, allow=("arl.", "tests."), env=env) as (_, (node,), _p):
+            for what, kwargs in cases.items():
+                worker = await node.create(
+                    "arl.node.rollout:RolloutWorker", model_path=str(tmp_path), **kwargs
+                )
+                with pytest.raises(RemoteError) as info:
+                    await worker.setup()
+                errors[what] = info.value
+            return errors
+
+    errors = asyncio.run(main())
+    for what, err in errors.items():
+        assert err.type_name == "ImportRefused", err
+        assert err.remote_message.startswith(f"{what}: refusing to import {target!r}"), err
+        assert "allowed prefixes ['arl.', 'tests.']" in err.remote_message
+    assert not armed.exists()
+
+
+def test_rollout_node_imports_the_module_when_its_prefix_is_allowed(armed, tmp_path):
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+
+    async def main():
+        async with local_cluster(1, allow=("arl.", MODULE), env=env) as (_, (node,), _p):
+            await node.create(f"{MODULE}:Anything")
+
+    asyncio.run(main())
+    assert armed.read_text() == "imported"
