@@ -50,9 +50,10 @@ class ExperimentConfig:
 class ClusterConfig:
     """How node daemons are started and how they reach the controller."""
 
-    launcher: Literal["local", "slurm", "attach", "embedded"] = _f(
+    launcher: Literal["local", "slurm", "ray", "attach", "embedded"] = _f(
         "local",
         "local: spawn nodes as subprocesses; slurm: start them with srun inside an allocation; "
+        "ray: place them as actors on a Ray cluster; "
         "attach: wait for externally started nodes; embedded: the program drives the controller",
     )
     n_nodes: int | None = _f(None, "attach: how many nodes to wait for (none: from the plan)")
@@ -65,6 +66,20 @@ class ClusterConfig:
         help="module prefixes a node may import engine objects from", factory=lambda: ["arl."]
     )
     srun_args: list[str] = _f(help="extra arguments for srun (slurm launcher)", factory=list)
+    ray_address: str = _f(
+        "auto",
+        "ray launcher: the cluster; auto (RAY_ADDRESS or the one `ray start` began on this host), "
+        "HOST:PORT of its head, ray://HOST:10001 (Ray Client), or local (start one for this run)",
+    )
+    ray_namespace: str = _f("arl", "ray launcher: Ray namespace of the node actors")
+    ray_rollout_cpus: float = _f(1.0, "ray launcher: CPUs reserved per rollout node")
+    ray_train_cpus: float = _f(1.0, "ray launcher: CPUs reserved per train node")
+    ray_placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = _f(
+        "PACK", "ray launcher: how nodes spread over Ray hosts (one node's GPUs share a host)"
+    )
+    ray_placement_timeout: float = _f(
+        300.0, "ray launcher: seconds to wait for Ray to reserve the nodes' CPUs and GPUs"
+    )
     n_gpus: int | None = _f(None, "GPUs to place nodes on (none: torch.cuda.device_count())")
     cpu_threads_per_node: int | None = _f(
         None, "torch threads per node process (none: torch's default)"
@@ -104,7 +119,33 @@ class RolloutConfig:
     server_python: str = _f("python", "interpreter that runs vllm/sglang servers")
     server_args: list[str] = _f(help="extra command-line arguments for the server", factory=list)
     server_start_timeout: float = _f(600.0, "seconds to wait for an inference server to be healthy")
+    group_timeout: float | None = _f(
+        3600.0,
+        "seconds one prompt group (generation and reward) may take; a slower one is cancelled on "
+        "its node and counted in rollout/timed_out (none: no limit)",
+    )
     dtype: str = _f("auto", "inference weight dtype (auto, bfloat16, float16, float32)")
+    agent: str = _f(
+        "",
+        "agent function `async def run(client, data)`, module:attribute (used with "
+        "workflow=arl.workflows.agent:AgentWorkflow; the client is OpenAI-shaped)",
+    )
+    agent_trajectory: Literal["concat", "individual"] = _f(
+        "concat",
+        "agent workflow: one row per conversation (turns in one sequence, per-token loss mask) "
+        "or one row per completion",
+    )
+    turn_discount: float = _f(
+        1.0, "agent workflow: reward discount per turn, G_i = r_i + turn_discount * G_(i+1)"
+    )
+    filter: str = _f(
+        "",
+        "accept function on finished groups, module:attribute (info dict -> bool), e.g. "
+        "arl.filters:nonconstant_reward (DAPO dynamic sampling); empty: accept all",
+    )
+    max_consecutive_rejections: int = _f(
+        256, "this many rejected groups in a row stop the run with an error instead of a hang"
+    )
 
 
 @attrs.define(kw_only=True)
@@ -130,6 +171,11 @@ class ActorConfig:
         "auto", "parameter dtype (auto: bfloat16 on GPU, float32 on CPU)"
     )
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+    call_timeout: float | None = _f(
+        3600.0,
+        "seconds one call on the train ranks (load_batch, compute_logp, ppo_update, save_state, "
+        "...) may run; a slower one stops the run naming the node and the call (none: no limit)",
+    )
     lr: float = _f(1.7e-5, "peak learning rate")
     weight_decay: float = _f(0.017, "AdamW weight decay")
     adam_beta1: float = _f(0.9, "AdamW beta1")
@@ -219,8 +265,13 @@ class SaverConfig:
 class RecoverConfig:
     """Recovery checkpoints for resuming a run."""
 
-    mode: Literal["disabled", "auto"] = _f("disabled", "auto: resume from the last checkpoint")
+    mode: Literal["disabled", "auto"] = _f(
+        "disabled",
+        "auto: checkpoint every freq_steps, resume from the last checkpoint at start, and restart "
+        "the run from it when a node is lost or hangs (up to retries times)",
+    )
     freq_steps: int = _f(1, "write a recovery checkpoint every this many steps")
+    retries: int = _f(3, "auto: restarts after a lost or hung node before the launcher gives up")
 
 
 @attrs.define(kw_only=True)
@@ -240,6 +291,9 @@ class StatsConfig:
     tensorboard: bool = _f(True, "write TensorBoard events to the run directory")
     jsonl: bool = _f(True, "write one JSON line of metrics per step")
     progress_bar: bool = _f(True, "show a progress bar on the terminal")
+    trace: bool = _f(
+        True, "write trace.json, a timeline of the run (Chrome trace JSON; opens in Perfetto)"
+    )
 
 
 def _section(cls: type, help: str) -> Any:
@@ -411,6 +465,13 @@ def _validation_problems(cfg: Config) -> list[str]:
         "needs at least one prefix, none empty",
     )
     positive("cluster.cpu_threads_per_node", optional=True)
+    positive("cluster.ray_rollout_cpus", "cluster.ray_train_cpus", "cluster.ray_placement_timeout")
+    check(
+        "cluster.n_gpus",
+        cfg.cluster.launcher != "ray" or n_gpus is not None,
+        "must be set with cluster.launcher=ray: the GPUs the run takes from the Ray cluster "
+        "(0: CPU only), since this host's own GPUs say nothing about the cluster's",
+    )
 
     check(
         "transport.inline_threshold_bytes",
@@ -421,10 +482,39 @@ def _validation_problems(cfg: Config) -> list[str]:
 
     positive("rollout.max_concurrent_rollouts", optional=True)
     check("rollout.max_head_offpolicyness", cfg.rollout.max_head_offpolicyness >= 0, "must be >= 0")
-    for key in ("rollout.workflow", "rollout.reward"):
+    for key in ("rollout.workflow", "rollout.reward", "data.loader"):
         mod, _, attr = get_key(cfg, key).partition(":")
         check(key, bool(mod and attr), "must be an import path module:attribute")
+        check(
+            key,
+            not (mod and attr) or import_allowed(mod, prefixes),
+            f"module {mod!r} is not under cluster.allowed_import_prefixes={prefixes}; add its "
+            "prefix there (nodes and the launcher import only from those)",
+        )
     positive("rollout.server_start_timeout")
+    for key in ("rollout.agent", "rollout.filter"):
+        mod, _, attr = get_key(cfg, key).partition(":")
+        check(key, not mod or bool(attr), "must be an import path module:attribute (or empty)")
+        check(
+            key,
+            not mod or import_allowed(mod, prefixes),
+            f"module {mod!r} is not under cluster.allowed_import_prefixes={prefixes}",
+        )
+    is_agent = cfg.rollout.workflow.endswith(":AgentWorkflow")
+    check(
+        "rollout.agent",
+        is_agent == bool(cfg.rollout.agent),
+        "needs rollout.workflow=arl.workflows.agent:AgentWorkflow"
+        if cfg.rollout.agent
+        else f"rollout.workflow={cfg.rollout.workflow} needs an agent function, module:attribute",
+    )
+    check(
+        "data.prompt_overflow",
+        not is_agent or cfg.data.prompt_overflow == "error",
+        "agent workflows need 'error' (truncating would break the turns' shared prefix)",
+    )
+    within("rollout.turn_discount", 0.0, 1.0)
+    positive("rollout.max_consecutive_rejections")
 
     g = cfg.gconfig
     positive("gconfig.n_samples", "gconfig.max_new_tokens")
@@ -479,10 +569,18 @@ def _validation_problems(cfg: Config) -> list[str]:
     positive("data.batch_size", "data.max_prompt_len", "weight_sync.bucket_bytes")
     positive("saver.freq_steps", optional=True)
     positive("recover.freq_steps")
+    check("recover.retries", cfg.recover.retries >= 0, "must be >= 0 (0: never restart)")
+    positive("rollout.group_timeout", "actor.call_timeout", optional=True)
     positive("evaluator.freq_steps", "evaluator.max_questions", optional=True)
     positive("evaluator.n_samples")
     check("evaluator.temperature", cfg.evaluator.temperature >= 0, "must be >= 0 (0: greedy)")
     return problems
+
+
+def import_allowed(module: str, prefixes: list[str] | tuple[str, ...]) -> bool:
+    """Whether ``module`` may be imported under ``prefixes`` (the rule of the node daemon's
+    `resolve_import`, checked here without importing anything)."""
+    return any(module == p.rstrip(".") or module.startswith(p) for p in prefixes)
 
 
 def _show(value: Any, quote: bool = True) -> str:

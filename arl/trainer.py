@@ -13,6 +13,7 @@ Rollout runs all the time in the background (`RolloutController`); each training
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from pathlib import Path
@@ -39,6 +40,7 @@ from arl.control.weight_sync import (
 from arl.data.loader import StatefulLoader
 from arl.node.daemon import resolve_import
 from arl.stats.logger import StatsLogger
+from arl.stats.trace import Tracer
 
 log = logging.getLogger("arl.trainer")
 
@@ -67,6 +69,55 @@ def load_rows(cfg: Config, split: str) -> list[dict]:
     return rows
 
 
+class CallTimeout(TimeoutError):
+    """Calls ran past their deadline on nodes that still answer heartbeats (slow or stuck)."""
+
+    def __init__(self, nodes: list[str], call: str, seconds: float, setting: str):
+        self.nodes, self.call = nodes, call
+        super().__init__(
+            f"{call} on node {', '.join(nodes)} ran longer than {setting}={seconds:g}s; the "
+            f"node still answers heartbeats, so it is slow or stuck in {call}"
+        )
+
+
+async def call_all(
+    workers: list[RemoteObject],
+    method: str,
+    args: list[list] | None = None,
+    timeout: float | None = None,
+    *,
+    setting: str = "actor.call_timeout",
+    wrap: Any = None,
+) -> list:
+    """Call ``method`` on every worker at once; results in order.
+
+    The first failure cancels the rest and is raised (a rank blocked in a collective with a
+    failed one would otherwise wait forever); calls still running after ``timeout`` seconds
+    raise `CallTimeout` naming their nodes.
+    """
+    calls = [w.call(method, *(args[i] if args else [])) for i, w in enumerate(workers)]
+    if wrap is not None:
+        calls = [wrap(w, c) for w, c in zip(workers, calls, strict=True)]
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        done, pending = await asyncio.wait(
+            tasks, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION
+        )
+    finally:
+        for t in tasks:
+            t.cancel()  # no-op for finished ones
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for t in tasks:  # in rank order, so the error is the same whatever finished first
+        if t in done and t.exception() is not None:
+            raise t.exception()
+    if pending:
+        slow = [w for w, t in zip(workers, tasks, strict=True) if t in pending]
+        raise CallTimeout(
+            [w.node.node_id for w in slow], f"{slow[0].name}.{method}", timeout, setting
+        )
+    return [t.result() for t in tasks]
+
+
 class PPOTrainer:
     """Composes rollout, training, weight sync, metrics and checkpoints into one loop."""
 
@@ -83,6 +134,7 @@ class PPOTrainer:
         self.rollout: RolloutController | None = None
         self.weight_sync: WeightSync | None = None
         self.progress: Any = None
+        self.tracer = Tracer(cfg.run_path / "trace.json" if cfg.stats.trace else None)
 
     # ---- setup ------------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -112,11 +164,16 @@ class PPOTrainer:
             peers=peers,
             free=self.free,
             stale_policy=cfg.rollout.stale_sample_policy,
+            accept=self._filter(),
+            max_consecutive_rejections=cfg.rollout.max_consecutive_rejections,
         )
         self.weight_sync = self._make_weight_sync()
+        self.rollout.tracer = self.tracer
+        self.tracer.declare("trainer", *(p.handle.node_id for p in self.cluster.nodes))
         state = self.saver.latest() if cfg.recover.mode == "auto" else None
         if state is not None:
             await self._restore(state)
+        gc.freeze()  # the imports' long-lived objects: full collections would stall the loop
 
     async def _start_rollout_workers(self, model_path: str) -> None:
         cfg = self.cfg
@@ -126,6 +183,12 @@ class PPOTrainer:
             "sglang": "arl.engines.sglang:SGLangEngine",
         }[cfg.rollout.backend.split(":")[0]]
         sampling = {k: v for k, v in attrs.asdict(cfg.gconfig).items() if k != "n_samples"}
+
+        agent = {}
+        if cfg.rollout.agent:  # the agent workflow (arl.workflows.agent)
+            trajectory = {"trajectory": cfg.rollout.agent_trajectory}
+            discount = {"turn_discount": cfg.rollout.turn_discount}
+            agent = {"agent": cfg.rollout.agent, "workflow_kwargs": {**trajectory, **discount}}
 
         async def one(p: Any) -> RemoteObject:
             kw = {"device": p.device, "dtype": cfg.rollout.dtype, "seed": cfg.experiment.seed}
@@ -146,6 +209,8 @@ class PPOTrainer:
                 n_samples=cfg.gconfig.n_samples,
                 max_prompt_len=cfg.data.max_prompt_len,
                 prompt_overflow=cfg.data.prompt_overflow,
+                group_timeout=cfg.rollout.group_timeout,
+                **agent,
             )
             await w.setup()
             return w
@@ -242,7 +307,8 @@ class PPOTrainer:
                     "version": self.version,
                 }
             )
-            metrics.update(self._node_gauges())
+            metrics.update(await self._node_gauges())
+            self._trace_step(t0, t0 + t_rollout, t1, t2)
             if cfg.evaluator.freq_steps and self.step % cfg.evaluator.freq_steps == 0:
                 metrics.update(await self.evaluate())
             # Logged before the checkpoint: a crash in between repeats this step's line after
@@ -269,7 +335,16 @@ class PPOTrainer:
         per_rank = await self._all("ppo_update")
         await self._all("end_step")
         n = len(per_rank)
-        return {f"train/{k}": sum(float(r[k]) for r in per_rank) / n for k in per_rank[0]}
+        out = {f"train/{k}": sum(float(r[k]) for r in per_rank) / n for k in per_rank[0]}
+        if out.get("train/skipped"):  # every rank skips together: the norm is global
+            log.warning(
+                "step %d: %d of %d optimizer steps skipped, the gradient norm was not finite "
+                "(a NaN or inf loss); the weights were left unchanged (metric train/skipped)",
+                self.step + 1,
+                int(out["train/skipped"]),
+                cfg.actor.ppo_n_minibatches,
+            )
+        return out
 
     async def verify_weights(self) -> dict:
         """Compare every engine's weight checksum with the trainer's (after a sync)."""
@@ -278,14 +353,14 @@ class PPOTrainer:
         return {"sync/checksum_match": all(g == want for g in got), "sync/checksum": want}
 
     async def _all(self, method: str, args: list[list] | None = None) -> list:
-        """Call ``method`` on every train rank at once (they run collectives together)."""
-        return list(
-            await asyncio.gather(
-                *(
-                    w.call(method, *(args[i] if args else []))
-                    for i, w in enumerate(self.train_workers)
-                )
-            )
+        """Call ``method`` on every train rank at once (they run collectives together), within
+        ``actor.call_timeout``."""
+        return await call_all(
+            self.train_workers,
+            method,
+            args,
+            self.cfg.actor.call_timeout,
+            wrap=lambda w, call: self.tracer.timed(w.node.node_id, method, call, lane="main"),
         )
 
     async def free(self, refs: list[ShardRef]) -> None:
@@ -341,8 +416,15 @@ class PPOTrainer:
         # The engines start from the original weights: sync the recovered ones in.
         await self.weight_sync.sync(self.version)
 
+    def _filter(self) -> Any:
+        """The ``rollout.filter`` accept function, or None to accept every group."""
+        if not self.cfg.rollout.filter:
+            return None
+        prefixes = tuple(self.cfg.cluster.allowed_import_prefixes)
+        return resolve_import(self.cfg.rollout.filter, prefixes)
+
     def _rollout_metrics(self, infos: list[dict]) -> dict:
-        rewards = [r for i in infos for r in i["rewards"]]
+        rewards = [r for i in infos for r in i.get("episode_rewards", i["rewards"])]
         staleness = [self.version - 1 - i["min_version"] for i in infos]
         s = self.rollout.stats
         return {
@@ -354,15 +436,33 @@ class PPOTrainer:
             "rollout/submitted": s.submitted,
             "rollout/accepted": s.accepted,
             "rollout/failed": s.failed,
+            "rollout/rejected": s.rejected,
+            "rollout/rejected_samples": s.rejected_samples,
             "rollout/stale_dropped": s.stale_dropped,
             "rollout/stale_kept": s.stale_kept,
+            "rollout/timed_out": s.timed_out,
             "batch/data_ids": [i["data_id"] for i in infos],
         }
 
-    def _node_gauges(self) -> dict:
+    def _trace_step(self, t0: float, t_batch: float, t_train: float, t_sync: float) -> None:
+        """The step's phases on the trainer's row, and the weight sync on every train rank's."""
+        tr = self.tracer
+        tr.add("trainer", "wait_rollout", t0, t_batch, cat="wait", step=self.step)
+        tr.add("trainer", "train", t_batch, t_train, cat="train", step=self.step)
+        tr.add("trainer", "weight_sync", t_train, t_sync, cat="sync", version=self.version)
+        for p in self.cluster.train:
+            tr.add(p.handle.node_id, "weight_sync", t_train, t_sync, cat="sync")
+        tr.flush()
+
+    async def _node_gauges(self) -> dict:
+        """Each node's shard-store gauges, asked for now (after this step's shards were freed)
+        rather than taken from its last heartbeat, which may date from the middle of a sync."""
+        nodes = [p.handle for p in self.cluster.nodes]
+        stats = await asyncio.gather(*(n.call("ping") for n in nodes))
         return {
-            f"node/{p.handle.node_id}/bytes_held": p.handle.stats.get("bytes_held", 0)
-            for p in self.cluster.nodes
+            f"node/{n.node_id}/{key}": s.get(key, 0)
+            for n, s in zip(nodes, stats, strict=True)
+            for key in ("bytes_held", "n_shards")
         }
 
     def _open_progress(self, total: int) -> None:
@@ -392,3 +492,4 @@ class PPOTrainer:
         if self.progress is not None:
             self.progress.close()
         self.stats.close()
+        self.tracer.close()

@@ -17,7 +17,14 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     ),
     "rtensor": ("arl.bench.rtensor", "RTensor shard pulls between nodes over the data plane"),
     "rollout": ("arl.bench.rollout", "rollout throughput of the inference engines"),
-    "e2e": ("arl.bench.e2e", "end-to-end training steps of a recipe"),
+    "e2e": ("arl.bench.e2e", "a recipe's training steps, synchronous (eta=0) against eta=2"),
+    "sim": ("arl.bench.sim", "async overlap with simulated engines and train ranks, eta 0/2/8"),
+    "controller": ("arl.bench.controller", "controller CPU, memory and bytes per training step"),
+    "collective": (
+        "arl.bench.collective",
+        "broadcast bus bandwidth (NCCL on GPUs, gloo on CPU): the floor of nccl weight sync",
+    ),
+    "gpu": ("arl.bench.gpu", "GPU decode, training and weight-sync figures beside their floors"),
 }
 
 

@@ -22,6 +22,7 @@ from arl.control.controller import NodeLost, RemoteError, RemoteObject
 from arl.control.rtensor import RTensor, ShardRef
 from arl.control.staleness import StalenessSemaphore, is_stale
 from arl.data.loader import StatefulLoader
+from arl.stats.trace import Tracer
 
 log = logging.getLogger("arl.rollout")
 
@@ -46,9 +47,11 @@ class RolloutStats:
     submitted: int = 0
     accepted: int = 0
     failed: int = 0
-    rejected: int = 0
+    rejected: int = 0  # groups rejected by the filter (`accept`) or by the workflow
+    rejected_samples: int = 0  # episodes a workflow dropped from their group (agent errors)
     stale_dropped: int = 0
     stale_kept: int = 0
+    timed_out: int = 0  # abandoned after rollout.group_timeout (also counted in failed)
 
 
 class RolloutController:
@@ -65,6 +68,7 @@ class RolloutController:
         stale_policy: str = "keep",
         accept: Callable[[dict], bool] | None = None,
         max_consecutive_failures: int = 16,
+        max_consecutive_rejections: int = 256,
     ):
         if not workers:
             raise ValueError("a RolloutController needs at least one rollout worker")
@@ -73,6 +77,7 @@ class RolloutController:
         self.peers, self.free = peers, free
         self.stale_policy, self.accept = stale_policy, accept
         self.max_consecutive_failures = max_consecutive_failures
+        self.max_consecutive_rejections = max_consecutive_rejections
         self.stats = RolloutStats()
         self._inflight = {id(w): 0 for w in workers}
         # Submission index -> finished group, or None for a failed/rejected one.
@@ -86,8 +91,10 @@ class RolloutController:
         self._error: BaseException | None = None
         self._failed_event = asyncio.Event()
         self._consecutive_failures = 0
+        self._consecutive_rejections = 0
         self._next_index = 0
         self.run_tag = "g"
+        self.tracer = Tracer(None)  # the trainer hands over its own
 
     # ---- lifetime ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -138,20 +145,30 @@ class RolloutController:
         accepted = False
         result: Finished | None = None
         try:
-            info = await worker.run_group(key, row)
+            with self.tracer.span(worker.node.node_id, "generate", key=key, v=version) as span:
+                info = await worker.run_group(key, row)
+                span["tokens"] = info.get("n_gen_tokens", 0)
             self._consecutive_failures = 0
+            self.stats.rejected_samples += int(info.get("failed_samples", 0))
+            if info.get("rejected"):  # the workflow rejected the row: no shard was stored
+                self._reject(key, f"the workflow rejected it: {info['reason']}")
+                return
             ref = ShardRef.from_meta(worker.node.node_id, info["meta"], info["group_size"])
-            if self.accept is not None and not self.accept(info):
-                self.stats.rejected += 1
+            if not self._accepts(key, info):
                 await self.free([ref])
                 return
+            self._consecutive_rejections = 0
             accepted = True
             self.stats.accepted += 1
             result = Finished(ref, info, version)
         except NodeLost as e:
             self._fail(e)
         except RemoteError as e:
+            if e.type_name == "ServerExited":  # the node's inference server died: it is leaving
+                self._fail(e)
+                return
             self.stats.failed += 1
+            self.stats.timed_out += e.type_name == "GroupTimeout"
             self._consecutive_failures += 1
             log.warning(
                 "rollout of %s on %s failed: %s: %s",
@@ -172,6 +189,37 @@ class RolloutController:
             self._done[index] = result
             self._changed.set()
             self.sem.release(accepted)
+
+    def _accepts(self, key: str, info: dict) -> bool:
+        """The filter's verdict on a finished group; a rejection is counted (and bounded)."""
+        if self.accept is None:
+            return True
+        name = getattr(self.accept, "__qualname__", repr(self.accept))
+        try:
+            ok = bool(self.accept(info))
+        except Exception as e:  # user code: stop rollout with its error, not a silent hang
+            self._fail(RuntimeError(f"rollout filter {name} raised on {key}: {e!r}"))
+            return False
+        if not ok:
+            rewards = info.get("episode_rewards", info["rewards"])
+            self._reject(key, f"rollout filter {name} rejected it (rewards {rewards})")
+        return ok
+
+    def _reject(self, key: str, why: str) -> None:
+        """Count a rejected group; too many in a row stops rollout with a clear error (a filter
+        that rejects everything must not hang training)."""
+        self.stats.rejected += 1
+        self._consecutive_rejections += 1
+        log.debug("group %s rejected: %s", key, why)
+        if self._consecutive_rejections >= self.max_consecutive_rejections:
+            self._fail(
+                RuntimeError(
+                    f"{self._consecutive_rejections} prompt groups in a row were rejected "
+                    f"(rollout.max_consecutive_rejections={self.max_consecutive_rejections}); "
+                    f"the last, {key}: {why}. Loosen rollout.filter, fix the workflow, or raise "
+                    "rollout.max_consecutive_rejections"
+                )
+            )
 
     # ---- consumption ------------------------------------------------------------------------
     async def prepare_batch(self, batch_size: int, version: int) -> tuple[RTensor, list[dict]]:
@@ -216,11 +264,14 @@ class RolloutController:
     @asynccontextmanager
     async def paused(self, version: int) -> AsyncIterator[None]:
         """Hold generation for a weight transfer; resume at ``version`` whatever happens."""
+        t = self.tracer.clock()
         await self.pause()
         try:
             yield
         finally:
             await self.resume(version)
+            for w in self.workers:
+                self.tracer.add(w.node.node_id, "paused", t, self.tracer.clock(), lane="weights")
 
     async def resume(self, version: int) -> None:
         """Stamp new tokens with ``version``, resume generation, widen the semaphore."""

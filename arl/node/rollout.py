@@ -26,8 +26,8 @@ from arl.engines.weight_transfer import (
     receive_buckets,
     receive_ipc_bucket,
 )
-from arl.node.daemon import resolve_import
-from arl.workflows.base import TRAJECTORY_KEYS
+from arl.node.daemon import ImportRefused, resolve_import
+from arl.workflows.base import TRAJECTORY_KEYS, EpisodeRejected, group_score
 
 log = logging.getLogger("arl.rollout")
 
@@ -36,6 +36,10 @@ def data_id(row: dict) -> str:
     """A short stable id of a dataset row (its prompt), for logs and batch-order checks."""
     blob = json.dumps(row.get("messages", row), sort_keys=True, default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+
+class GroupTimeout(TimeoutError):
+    """A prompt group ran longer than ``rollout.group_timeout``; it was cancelled and dropped."""
 
 
 class RolloutWorker:
@@ -53,6 +57,9 @@ class RolloutWorker:
         n_samples: int = 4,
         max_prompt_len: int = 512,
         prompt_overflow: str = "error",
+        group_timeout: float | None = None,
+        agent: str = "",
+        workflow_kwargs: dict | None = None,
     ):
         self.model_path = model_path
         self.engine_target, self.engine_kwargs = engine, dict(engine_kwargs or {})
@@ -60,12 +67,15 @@ class RolloutWorker:
         self.sampling = SamplingParams(**(sampling or {}))
         self.n_samples, self.max_prompt_len = n_samples, max_prompt_len
         self.prompt_overflow = prompt_overflow
+        self.group_timeout = group_timeout
+        self.agent_target, self.workflow_kwargs = agent, dict(workflow_kwargs or {})
         self.node: Any = None
         self.engine: Any = None
         self.workflow: Any = None
         self.groups_done = 0
         self.groups_failed = 0
         self.weight_group: BroadcastGroup | None = None
+        self._server_watch: asyncio.Task | None = None
 
     def attach_node(self, node: Any) -> None:
         """Called by the node after construction: gives access to its store and prefixes."""
@@ -75,6 +85,17 @@ class RolloutWorker:
         """Load the engine and tokenizer (imports checked against the node's prefixes)."""
         prefixes = self.node.allowed_prefixes if self.node else ("arl.",)
         loop = asyncio.get_running_loop()
+        # All are checked before any is imported; a refusal names what it was for.
+        for what, target in (
+            ("engine", self.engine_target),
+            ("rollout.reward", self.reward_target),
+            ("rollout.workflow", self.workflow_target),
+            *((("rollout.agent", self.agent_target),) if self.agent_target else ()),
+        ):
+            try:
+                resolve_import(target, prefixes, import_now=False)
+            except ImportRefused as e:
+                raise ImportRefused(f"{what}: {e}") from None
 
         def load() -> tuple:
             # Imports (transformers, torch) and model loading take seconds: never on the loop,
@@ -84,6 +105,8 @@ class RolloutWorker:
             engine_cls = resolve_import(self.engine_target, prefixes)
             reward_fn = resolve_import(self.reward_target, prefixes)
             workflow_cls = resolve_import(self.workflow_target, prefixes)
+            if self.agent_target:  # the agent workflow's `run(client, data)`
+                self.workflow_kwargs["agent"] = resolve_import(self.agent_target, prefixes)
             tokenizer = AutoTokenizer.from_pretrained(self.model_path)
             return engine_cls, reward_fn, workflow_cls, tokenizer
 
@@ -97,6 +120,8 @@ class RolloutWorker:
         start = getattr(self.engine, "start", None)
         if inspect.iscoroutinefunction(start):  # server engines (vllm, sglang) start a process
             await start()
+        if hasattr(self.engine, "wait_failed") and self.node is not None:
+            self._server_watch = asyncio.create_task(self._stop_node_when_server_exits())
         stop = set(self.sampling.stop_token_ids)
         if tokenizer.eos_token_id is not None:
             stop.add(int(tokenizer.eos_token_id))
@@ -108,16 +133,45 @@ class RolloutWorker:
             n_samples=self.n_samples,
             max_prompt_len=self.max_prompt_len,
             prompt_overflow=self.prompt_overflow,
+            **self.workflow_kwargs,
         )
         return await self.engine.health()
 
+    async def _stop_node_when_server_exits(self) -> None:
+        """A rollout node whose inference server died cannot serve: it stops, and the
+        controller sees it leave with the server's exit status and log as the reason."""
+        failure = await self.engine.wait_failed()
+        self.node.stop(str(failure))
+
     # ---- episodes ---------------------------------------------------------------------------
     async def run_group(self, key: str, data: dict) -> dict:
-        """Run one prompt group, store it under ``key``; returns its metadata (no tensors)."""
+        """Run one prompt group, store it under ``key``; returns its metadata (no tensors).
+
+        A group that takes longer than ``group_timeout`` seconds is cancelled here (its
+        generations are aborted, nothing is stored) and `GroupTimeout` is raised.
+        """
         t0 = time.monotonic()
-        group = await self.workflow.arun_episode(self.engine, data)
+        deadline = asyncio.timeout(self.group_timeout)
+        try:
+            async with deadline:
+                group = await self.workflow.arun_episode(self.engine, data)
+        except EpisodeRejected as e:
+            return self._rejected(key, data, str(e), e.failed_samples, t0)
+        except TimeoutError:
+            if not deadline.expired():  # a timeout inside the workflow (a reward, a request)
+                raise
+            node = self.node.node_id if self.node is not None else "?"
+            raise GroupTimeout(
+                f"prompt group {key} ({data_id(data)}) ran longer than rollout.group_timeout="
+                f"{self.group_timeout}s on node {node}; it was abandoned"
+            ) from None
+        if group is None:
+            return self._rejected(key, data, "the workflow returned None", 0, t0)
         texts = group.pop("_texts", [])
-        shard = {k: group[k] for k in TRAJECTORY_KEYS}
+        shard = {k: v for k, v in group.items() if not k.startswith("_")}  # _x stays here
+        missing = [k for k in TRAJECTORY_KEYS if k not in shard]
+        if missing:
+            raise KeyError(f"{self.workflow_target} returned a group without {missing}")
         meta = self.node.store.put(key, shard)
         self.groups_done += 1
         gen = shard["loss_mask"]
@@ -133,6 +187,26 @@ class RolloutWorker:
             "seconds": time.monotonic() - t0,
             "data_id": data_id(data),
             "sample_text": texts[0][:500] if texts else "",
+            "episode_rewards": list(group.get("_episode_rewards", shard["rewards"].tolist())),
+            "failed_samples": int(group.get("_failed_samples", 0)),
+        }
+
+    def _rejected(self, key: str, data: dict, reason: str, failed: int, t0: float) -> dict:
+        """The answer for a row the workflow rejected: no shard, the reason and counts."""
+        return {
+            "key": key,
+            "rejected": True,
+            "reason": reason,
+            "failed_samples": failed,
+            "group_size": 0,
+            "rewards": [],
+            "episode_rewards": [],
+            "n_gen_tokens": 0,
+            "min_version": -1,
+            "max_version": -1,
+            "seconds": time.monotonic() - t0,
+            "data_id": data_id(data),
+            "sample_text": "",
         }
 
     async def evaluate(
@@ -150,9 +224,13 @@ class RolloutWorker:
             stop_token_ids=list(self.sampling.stop_token_ids),
         )
         groups = await asyncio.gather(
-            *(self.workflow.arun_episode(self.engine, row, sampling, n_samples) for row in rows)
+            *(self.workflow.arun_episode(self.engine, row, sampling, n_samples) for row in rows),
+            return_exceptions=True,
         )
-        return [float(g["rewards"].mean()) for g in groups]
+        for g in groups:  # a rejected row scores 0; any other error is raised
+            if isinstance(g, BaseException) and not isinstance(g, EpisodeRejected):
+                raise g
+        return [0.0 if isinstance(g, EpisodeRejected) else group_score(g) for g in groups]
 
     # ---- engine control (weight sync) -------------------------------------------------------
     async def pause(self) -> None:
@@ -232,6 +310,9 @@ class RolloutWorker:
 
     async def aclose(self) -> None:
         """End the weight group and the engine (and any server it started)."""
+        if self._server_watch is not None:
+            self._server_watch.cancel()
+            self._server_watch = None
         if self.weight_group is not None:
             self.weight_group.close()
             self.weight_group = None

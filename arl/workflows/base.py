@@ -1,14 +1,18 @@
 """The `Workflow` protocol: how one dataset row becomes one trajectory shard.
 
 A workflow runs on a rollout node, next to its engine. ``arun_episode`` returns a prompt group as
-a dict of tensors (the layout below) or ``None`` to reject the row. Every tensor is right-padded
-to the group's longest sequence:
+a dict of tensors (the layout below), or rejects the row by returning ``None`` or raising
+`EpisodeRejected`. Every tensor is right-padded to the group's longest sequence:
 
 - ``input_ids`` int64 [n, L], ``attention_mask`` bool [n, L]
 - ``loss_mask`` bool [n, L]: True on generated tokens
 - ``logprobs`` float32 [n, L]: sampling log-prob of token t at position t (0 on the prompt)
 - ``versions`` int32 [n, L]: policy version that produced token t (-1 on the prompt)
 - ``rewards`` float32 [n]
+
+Other tensors (``turn_ids`` of agent workflows) travel with the shard; keys starting with ``_``
+stay on the node: ``_texts`` (for logs), ``_episode_rewards`` and ``_failed_samples`` (when rows
+are not episodes, as with multi-turn agents).
 """
 
 from __future__ import annotations
@@ -20,6 +24,24 @@ import torch
 from arl.engines.base import Engine
 
 TRAJECTORY_KEYS = ("input_ids", "attention_mask", "loss_mask", "logprobs", "versions", "rewards")
+
+
+class EpisodeRejected(Exception):
+    """A workflow rejects a row (no trajectory); ``failed_samples`` of its episodes failed."""
+
+    def __init__(self, reason: str, failed_samples: int = 0):
+        super().__init__(reason)
+        self.failed_samples = failed_samples
+
+
+def group_score(group: dict | None) -> float:
+    """Mean episode reward of a group (failed episodes count 0; a rejected group scores 0)."""
+    if group is None:
+        return 0.0
+    if "_episode_rewards" not in group:
+        return float(torch.as_tensor(group["rewards"]).float().mean())
+    rewards = [float(r) for r in group["_episode_rewards"]]
+    return sum(rewards) / max(1, len(rewards) + int(group.get("_failed_samples", 0)))
 
 
 @runtime_checkable

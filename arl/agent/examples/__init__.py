@@ -1,0 +1,1 @@
+"""Example agents, importable by nodes (they live under the default ``arl.`` prefix)."""

@@ -1,0 +1,268 @@
+"""A run's timeline as a Chrome trace (``trace.json`` in the run directory; opens in Perfetto).
+
+One row (Chrome "process") per node plus one for the trainer; each row has lanes ("threads"):
+spans that overlap on one row (a rollout node generates many groups at once) each take the
+lowest free numbered lane, and a span may name a fixed lane of its own (``lane="weights"``).
+Every span is a complete ("X") event timed on the controller's clock (``time.monotonic``,
+microseconds since the tracer started), so rows of different processes never disagree.
+
+Events stream to the file as the run goes (`flush` after each step) in the JSON array format,
+whose closing ``]`` trace viewers do not require: the trace of a crashed run still opens, and
+`load_trace` reads it too. Recording a span costs a few microseconds; ``Tracer(None)`` records
+nothing.
+
+    python -m arl.stats.trace_png runs/NAME/TRIAL/trace.json -o timeline.png
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class Tracer:
+    """Records spans per row and lane and writes them to ``path`` (None: records nothing)."""
+
+    def __init__(self, path: str | Path | None, *, clock: Callable[[], float] = time.monotonic):
+        self.path = Path(path) if path is not None else None
+        self.enabled = self.path is not None
+        self.clock = clock
+        self.t0 = clock()
+        self._rows: dict[str, int] = {}  # row name -> pid
+        self._lanes: dict[tuple[str, int | str], int] = {}  # (row, lane) -> tid
+        self._busy: dict[str, set[int]] = {}  # numbered lanes in use per row
+        self._pending: list[str] = []
+        self._file: Any = None
+        self._first = True
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            _keep_previous(self.path)
+            self._file = open(self.path, "w")  # noqa: SIM115 - closed by close()
+            self._file.write("[\n")
+
+    # ---- recording --------------------------------------------------------------------------
+    def declare(self, *rows: str) -> None:
+        """Fix the top-to-bottom order of rows (others follow in order of first use)."""
+        for row in rows:
+            self._pid(row)
+
+    def span(
+        self, row: str, name: str, *, cat: str = "", lane: str | None = None, **args: Any
+    ) -> _Span:
+        """``with tracer.span(row, name, **args) as a:`` times the block; update ``a`` to add
+        arguments. An exception or a cancellation inside still records the span (marked)."""
+        return _Span(self, row, name, cat, lane, args)
+
+    async def timed(
+        self, row: str, name: str, aw: Awaitable[T], *, cat: str = "", lane: str | None = None
+    ) -> T:
+        """Await ``aw`` inside a span; returns its result."""
+        with self.span(row, name, cat=cat, lane=lane):
+            return await aw
+
+    def add(
+        self,
+        row: str,
+        name: str,
+        start: float,
+        end: float,
+        *,
+        cat: str = "",
+        lane: str = "main",
+        **args: Any,
+    ) -> None:
+        """Record a span measured elsewhere (``start``/``end`` on this tracer's clock) on the
+        named ``lane`` of ``row``."""
+        if self.enabled:
+            self._emit(row, name, cat, self._tid(row, lane), start, end, args)
+
+    def flush(self) -> None:
+        """Write the events recorded so far (the trainer calls it once per step)."""
+        if self._file is None or not self._pending:
+            return
+        sep = "" if self._first else ",\n"
+        self._file.write(sep + ",\n".join(self._pending))
+        self._file.flush()
+        self._first = False
+        self._pending.clear()
+
+    def close(self) -> None:
+        """Write what is left and end the JSON array (idempotent)."""
+        if self._file is None:
+            return
+        self.flush()
+        self._file.write("\n]\n")
+        self._file.close()
+        self._file = None
+        self.enabled = False
+
+    # ---- rows and lanes ---------------------------------------------------------------------
+    def _pid(self, row: str) -> int:
+        pid = self._rows.get(row)
+        if pid is None:
+            pid = self._rows[row] = len(self._rows) + 1
+            self._meta(pid, 0, "process_name", {"name": row})
+            self._meta(pid, 0, "process_sort_index", {"sort_index": pid})
+        return pid
+
+    def _tid(self, row: str, lane: int | str) -> int:
+        tid = self._lanes.get((row, lane))
+        if tid is None:
+            pid = self._pid(row)
+            # Named lanes first, then the numbered ones in order: tids are unique per row.
+            tid = self._lanes[(row, lane)] = len([k for k in self._lanes if k[0] == row]) + 1
+            label = lane if isinstance(lane, str) else f"lane {lane}"
+            order = -tid if isinstance(lane, str) else 1000 + lane
+            self._meta(pid, tid, "thread_name", {"name": label})
+            self._meta(pid, tid, "thread_sort_index", {"sort_index": order})
+        return tid
+
+    def _take_lane(self, row: str) -> int:
+        busy = self._busy.setdefault(row, set())
+        lane = 0
+        while lane in busy:
+            lane += 1
+        busy.add(lane)
+        return self._tid(row, lane)
+
+    def _release_lane(self, row: str, tid: int) -> None:
+        busy = self._busy.get(row, set())
+        for lane in list(busy):
+            if self._lanes.get((row, lane)) == tid:
+                busy.discard(lane)
+                return
+
+    # ---- output -----------------------------------------------------------------------------
+    def _us(self, t: float) -> float:
+        return round((t - self.t0) * 1e6, 1)
+
+    def _emit(
+        self, row: str, name: str, cat: str, tid: int, start: float, end: float, args: dict
+    ) -> None:
+        ev = {
+            "name": name,
+            "cat": cat or name,
+            "ph": "X",
+            "ts": self._us(start),
+            "dur": round(max(0.0, end - start) * 1e6, 1),
+            "pid": self._pid(row),
+            "tid": tid,
+        }
+        if args:
+            ev["args"] = args
+        self._pending.append(json.dumps(ev, separators=(",", ":"), default=str))
+
+    def _meta(self, pid: int, tid: int, name: str, args: dict) -> None:
+        ev = {"name": name, "ph": "M", "pid": pid, "tid": tid, "args": args}
+        self._pending.append(json.dumps(ev, separators=(",", ":")))
+
+
+class _Span:
+    """The context manager of `Tracer.span`; yields its args dict."""
+
+    __slots__ = ("tracer", "row", "name", "cat", "lane", "args", "start", "tid")
+
+    def __init__(self, tracer: Tracer, row: str, name: str, cat: str, lane: str | None, args: dict):
+        self.tracer, self.row, self.name, self.cat = tracer, row, name, cat
+        self.lane, self.args = lane, args
+        self.tid = 0
+
+    def __enter__(self) -> dict:
+        t = self.tracer
+        if t.enabled:
+            self.tid = t._take_lane(self.row) if self.lane is None else t._tid(self.row, self.lane)
+        self.start = t.clock()
+        return self.args
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        t = self.tracer
+        if not t.enabled:
+            return
+        end = t.clock()
+        if self.lane is None:
+            t._release_lane(self.row, self.tid)
+        if exc_type is not None:
+            cancelled = issubclass(exc_type, asyncio.CancelledError)
+            self.args["cancelled" if cancelled else "error"] = (
+                True if cancelled else exc_type.__name__
+            )
+        t._emit(self.row, self.name, self.cat, self.tid, self.start, end, self.args)
+
+
+def _keep_previous(path: Path) -> None:
+    """A resumed run starts a new trace; the earlier one is kept as trace.1.json, ..."""
+    if not path.exists():
+        return
+    n = 1
+    while (old := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
+        n += 1
+    path.rename(old)
+
+
+# ---- reading ----------------------------------------------------------------------------------
+def load_trace(path: str | Path) -> list[dict]:
+    """The events of a trace file (array or ``{"traceEvents": [...]}`` form, ended or not)."""
+    text = Path(path).read_text().strip()
+    if not text:
+        raise ValueError(f"{path} is empty; it is not a trace")
+    if text.startswith("[") and not text.endswith("]"):
+        text = text.rstrip(",") + "]"  # a run that stopped before close(): the array is open
+    data = json.loads(text)
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(events, list):
+        raise ValueError(f"{path} holds no list of trace events")
+    return events
+
+
+def spans(events: list[dict]) -> list[dict]:
+    """The complete ("X") events, each with its row's name under ``row`` and times in seconds
+    (``start``, ``end``), sorted by start."""
+    names = {
+        e["pid"]: e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    out = []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        start = e["ts"] / 1e6
+        out.append(
+            {
+                **e,
+                "row": names.get(e["pid"], str(e["pid"])),
+                "start": start,
+                "end": start + e["dur"] / 1e6,
+            }
+        )
+    return sorted(out, key=lambda s: s["start"])
+
+
+def overlap_s(a: list[dict], b: list[dict]) -> float:
+    """Seconds during which some span of ``a`` and some span of ``b`` both run."""
+
+    def merged(ss: list[dict]) -> list[tuple[float, float]]:
+        out: list[list[float]] = []
+        for s in sorted(ss, key=lambda s: s["start"]):
+            if out and s["start"] <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], s["end"])
+            else:
+                out.append([s["start"], s["end"]])
+        return [(x, y) for x, y in out]
+
+    total, ia, ib = 0.0, merged(a), merged(b)
+    i = j = 0
+    while i < len(ia) and j < len(ib):
+        lo, hi = max(ia[i][0], ib[j][0]), min(ia[i][1], ib[j][1])
+        total += max(0.0, hi - lo)
+        if ia[i][1] < ib[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
