@@ -16,6 +16,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from arl.algo.packing import concat_shards
+from arl.bench.gpu import SMOLLM2_135M
 from arl.config import ActorConfig
 from arl.engines.fsdp import FSDPEngine
 
@@ -23,17 +24,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-
-SMOLLM2_135M = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    max_position_embeddings=2048,
-    tie_word_embeddings=True,
-)
 
 
 def _free_port() -> int:
