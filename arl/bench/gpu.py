@@ -147,11 +147,12 @@ def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def bench_engine(
-    path: str, batch: int, prompt_len: int, new: int, hook: Any = None, stock: bool = False
+    path: str, batch: int, prompt_len: int, new: int, stock: bool = False
 ) -> dict[str, float]:
     """hf engine: wall seconds for ``batch`` requests of ``new`` tokens, and a step breakdown.
 
-    ``hook(engine)``, if given, runs before the warm-up (to try a variant of the engine).
+    ``stock`` builds the engine as it was before the decode fixes (stock sdpa, no compiled
+    blocks).
     """
     from arl.engines.base import SamplingParams
     from arl.engines.hf import HFEngine
@@ -168,8 +169,6 @@ def bench_engine(
         compile_blocks=not stock,
         grouped_attention=not stock,
     ) as eng:
-        if hook is not None:
-            hook(eng)
 
         async def once() -> list:
             # Held while all are queued, so the whole batch starts in one prefill.
@@ -300,7 +299,11 @@ def run_decode(args: argparse.Namespace, path: str, floors: dict) -> list[dict]:
 
 
 # ---- train ----------------------------------------------------------------------------------
-def _train_batch(vocab: int, n_groups: int, group: int, prompt: int, completion: int) -> dict:
+def synthetic_train_batch(
+    vocab: int, n_groups: int, group: int, prompt: int, completion: int
+) -> dict[str, torch.Tensor]:
+    """``n_groups`` groups of ``group`` random samples: ``prompt`` tokens, then a completion of
+    ``completion // 2`` to ``completion`` tokens; log-probs ~ -ln(49152), as of a random model."""
     from arl.algo.packing import concat_shards
 
     g = torch.Generator().manual_seed(0)
@@ -340,7 +343,7 @@ def run_train(args: argparse.Namespace, path: str, floors: dict) -> dict:
     )
     try:
         vocab = AutoConfig.from_pretrained(path).vocab_size
-        batch = _train_batch(vocab, 16, 4, 128, 384)
+        batch = synthetic_train_batch(vocab, 16, 4, 128, 384)
         tokens = int(batch["attention_mask"].sum())
 
         def step() -> tuple[float, float]:

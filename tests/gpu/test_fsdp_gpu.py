@@ -15,8 +15,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from arl.algo.packing import concat_shards
-from arl.bench.gpu import SMOLLM2_135M
+from arl.bench.gpu import SMOLLM2_135M, synthetic_train_batch
 from arl.config import ActorConfig
 from arl.engines.fsdp import FSDPEngine
 
@@ -32,30 +31,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _batch(n_groups: int, group: int, prompt: int, completion: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    shards = []
-    for _ in range(n_groups):
-        width = prompt + completion
-        lens = torch.randint(completion // 2, completion + 1, (group,), generator=g)
-        am = torch.arange(width)[None] < (prompt + lens)[:, None]
-        lm = am & (torch.arange(width)[None] >= prompt)
-        shards.append(
-            {
-                "input_ids": torch.randint(
-                    0, SMOLLM2_135M["vocab_size"], (group, width), generator=g
-                )
-                * am,
-                "attention_mask": am,
-                "loss_mask": lm,
-                "logprobs": torch.where(lm, -10.8, 0.0),  # ~ -ln(49152): a random model
-                "versions": torch.where(lm, 0, -1).int(),
-                "rewards": (torch.arange(group) % 2).float(),
-            }
-        )
-    return concat_shards(shards)
-
-
 def test_one_bf16_update_on_one_gpu(tmp_path: Path):
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).save_pretrained(tmp_path / "model")
@@ -65,7 +40,7 @@ def test_one_bf16_update_on_one_gpu(tmp_path: Path):
     )
     try:
         assert eng.compute_dtype == torch.bfloat16
-        batch = _batch(n_groups=16, group=4, prompt=128, completion=384)
+        batch = synthetic_train_batch(SMOLLM2_135M["vocab_size"], 16, 4, 128, 384)
         before = {k: v.float().cpu() for k, v in eng.state_dict_for_sync()}
 
         def step() -> tuple[dict[str, float], float, float]:

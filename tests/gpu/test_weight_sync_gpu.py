@@ -22,10 +22,10 @@ import msgpack
 import pytest
 import torch
 
-from arl.config import Config, apply_overrides
+from arl.config import Config
 from arl.stats.logger import read_jsonl
 from arl.trainer import run
-from tests.support.tiny_model import make_tiny_model
+from tests.support.tiny_model import make_tiny_model, tiny_run_config
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,37 +34,20 @@ pytestmark = [
 
 
 def gpu_config(tmp_path, model: str, n_gpus: int, *overrides: str) -> Config:
-    """Three steps of arith GRPO on the tiny model, eta=1, hf:d1 + fsdp:d1 on ``n_gpus`` GPUs,
-    bf16 engine and bf16-compute trainer (dtype auto)."""
-    cfg = apply_overrides(
-        Config(),
-        [
-            f"experiment.run_dir={tmp_path / 'runs'}",
-            "experiment.name=sync-gpu",
-            "experiment.total_train_steps=3",
-            f"actor.path={model}",
-            "data.loader=arl.data.arith:load_arith",
-            "data.batch_size=2",
-            "data.max_prompt_len=128",
-            "rollout.reward=arl.rewards.arith:arith_reward",
-            "rollout.max_head_offpolicyness=1",
-            "gconfig.n_samples=2",
-            "gconfig.max_new_tokens=12",
-            f"cluster.n_gpus={n_gpus}",
-            "cluster.heartbeat_timeout=60",
-            "stats.tensorboard=false",
-            "stats.progress_bar=false",
-            "saver.hf_export=false",
-            "weight_sync.verify=true",
-            # ~6.6 MB of bf16 weights: several buckets, so the one-bucket-in-flight path runs.
-            "weight_sync.bucket_bytes=1048576",
-            "actor.max_tokens_per_mb=512",
-            "actor.lr=1e-3",
-            *overrides,
-        ],
+    """The tiny three-step run (`tiny_run_config`) on ``n_gpus`` GPUs with a bf16 engine and a
+    bf16-compute trainer (dtype auto)."""
+    return tiny_run_config(
+        tmp_path,
+        model,
+        "experiment.name=sync-gpu",
+        "actor.dtype=auto",
+        f"cluster.n_gpus={n_gpus}",
+        "cluster.heartbeat_timeout=60",
+        "saver.hf_export=false",
+        # ~6.6 MB of bf16 weights: several buckets, so the one-bucket-in-flight path runs.
+        "weight_sync.bucket_bytes=1048576",
+        *overrides,
     )
-    cfg.validate()
-    return cfg
 
 
 @pytest.fixture(scope="module")
