@@ -13,6 +13,7 @@ from pathlib import Path
 
 from arl.config import Config, ConfigError, apply_overrides, help_text, save_resolved, to_yaml
 from arl.control.placement import format_plan, plan_placement
+from arl.engines.spec import describe, engine_spec
 
 USAGE = """\
 usage: python -m arl.launch RECIPE [key=value ...] [--dry-run] [--help]
@@ -146,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg.validate()
         n_gpus = detect_gpus(cfg)
         plan = plan_placement(cfg, n_gpus)
+        # Built here only to refuse contradicting engine settings before any process starts;
+        # the trainer builds them again with the resolved model path and node-local devices.
+        engines = [engine_spec(cfg, n, cfg.actor.path) for n in plan if n.role == "rollout"]
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -155,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         where = f"{n_gpus} GPU{'s' * (n_gpus != 1)}" if n_gpus else "CPU"
         print(f"# placement plan: {len(plan)} nodes on {where}, launcher {cfg.cluster.launcher}")
         print(format_plan(plan))
+        print("# rollout engines (the model path is resolved when the run starts)")
+        for node, spec in zip((n for n in plan if n.role == "rollout"), engines, strict=True):
+            print(f"node {node.node_id}: {describe(spec)}")
         return 0
     logging.basicConfig(
         level=cfg.experiment.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -38,6 +38,7 @@ from arl.control.weight_sync import (
     ZmqWeightSync,
 )
 from arl.data.loader import StatefulLoader
+from arl.engines.spec import engine_spec
 from arl.node.daemon import resolve_import
 from arl.stats.logger import StatsLogger
 from arl.stats.trace import Tracer
@@ -177,11 +178,6 @@ class PPOTrainer:
 
     async def _start_rollout_workers(self, model_path: str) -> None:
         cfg = self.cfg
-        engine = {
-            "hf": "arl.engines.hf:HFEngine",
-            "vllm": "arl.engines.vllm:VLLMEngine",
-            "sglang": "arl.engines.sglang:SGLangEngine",
-        }[cfg.rollout.backend.split(":")[0]]
         sampling = {k: v for k, v in attrs.asdict(cfg.gconfig).items() if k != "n_samples"}
 
         agent = {}
@@ -191,18 +187,11 @@ class PPOTrainer:
             agent = {"agent": cfg.rollout.agent, "workflow_kwargs": {**trajectory, **discount}}
 
         async def one(p: Any) -> RemoteObject:
-            kw = {"device": p.device, "dtype": cfg.rollout.dtype, "seed": cfg.experiment.seed}
-            if engine != "arl.engines.hf:HFEngine":
-                kw = {
-                    "python": cfg.rollout.server_python,
-                    "server_args": list(cfg.rollout.server_args),
-                }
             w = await p.handle.create(
                 "arl.node.rollout:RolloutWorker",
                 name="rollout",
                 model_path=model_path,
-                engine=engine,
-                engine_kwargs=kw,
+                engine=engine_spec(cfg, p.spec, model_path, p.device).to_wire(),
                 workflow=cfg.rollout.workflow,
                 reward=cfg.rollout.reward,
                 sampling=sampling,

@@ -28,12 +28,15 @@ import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
 from arl.engines.base import FinishReason, GenerationResult, SamplingParams
+
+if TYPE_CHECKING:
+    from arl.engines.spec import EngineSpec
 
 logger = logging.getLogger(__name__)
 
@@ -559,6 +562,12 @@ class HFEngine:
         self._graphs.clear()
         self._graph_pool = None
         self._cache.free()
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec, **options: Any) -> HFEngine:
+        """The engine of a rollout node's `EngineSpec` (loads the model: seconds; run it off
+        the event loop); ``options`` are further constructor arguments."""
+        return cls(spec.model_path, device=spec.device, dtype=spec.dtype, seed=spec.seed, **options)
 
     def __enter__(self) -> HFEngine:
         return self

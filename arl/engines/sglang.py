@@ -31,6 +31,8 @@ from arl.engines.server import HttpServerEngine, ServerError, ServerProcess, fre
 if TYPE_CHECKING:
     import torch
 
+    from arl.engines.spec import EngineSpec
+
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
@@ -44,6 +46,17 @@ class SGLangEngine(HttpServerEngine):
 
     engine_name = "sglang"
 
+    # Flags arl derives from the engine spec, and the setting each comes from.
+    OWNED_FLAGS = {
+        "--model-path": "actor.path",
+        "--host": "the node's address",
+        "--port": "a free port on the node",
+        "--tp-size": "the t of rollout.backend (sglang:dNtT)",
+        "--tp": "the t of rollout.backend (sglang:dNtT)",
+        "--dtype": "rollout.dtype",
+        "--random-seed": "experiment.seed",
+    }
+
     def __init__(
         self,
         model_path: str,
@@ -54,21 +67,27 @@ class SGLangEngine(HttpServerEngine):
         port: int = 0,
         env: Mapping[str, str] | None = None,
         launch_cmd: Sequence[str] | None = None,
+        tp_size: int | None = None,
+        dtype: str | None = None,
+        seed: int | None = None,
         start_timeout_s: float = 600.0,
         request_timeout_s: float = 600.0,
         max_connections: int = 1024,
         log_path: str | None = None,
     ) -> None:
         port = port or free_port(host)
-        cmd = list(launch_cmd) if launch_cmd else [python, "-m", "sglang.launch_server"]
-        argv = [*cmd, "--model-path", model_path, "--host", host, "--port", str(port)]
+        argv = sglang_command(
+            list(launch_cmd) if launch_cmd else [python, "-m", "sglang.launch_server"],
+            model_path,
+            host,
+            str(port),
+            tp_size=tp_size,
+            dtype=dtype,
+            seed=seed,
+            server_args=server_args,
+        )
         server = ServerProcess(
-            [*argv, *server_args],
-            host=host,
-            port=port,
-            env=env,
-            log_path=log_path,
-            name="sglang",
+            argv, host=host, port=port, env=env, log_path=log_path, name="sglang"
         )
         super().__init__(
             server,
@@ -77,6 +96,35 @@ class SGLangEngine(HttpServerEngine):
             max_connections=max_connections,
         )
         self.model_path = model_path
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec, **options: object) -> SGLangEngine:
+        """The engine of a rollout node's `EngineSpec` (every setting of the spec reaches the
+        server's command line); ``options`` are further constructor arguments (``env``...)."""
+        return cls(
+            spec.model_path,
+            python=spec.python,
+            server_args=spec.server_args,
+            tp_size=spec.tp_size,
+            dtype=spec.dtype,
+            seed=spec.seed,
+            start_timeout_s=spec.start_timeout_s,
+            **options,  # type: ignore[arg-type]
+        )
+
+    @staticmethod
+    def command_line(spec: EngineSpec, host: str, port: str) -> list[str]:
+        """The server command `from_spec` runs, with ``port`` as given."""
+        return sglang_command(
+            [spec.python, "-m", "sglang.launch_server"],
+            spec.model_path,
+            host,
+            port,
+            tp_size=spec.tp_size,
+            dtype=spec.dtype,
+            seed=spec.seed,
+            server_args=spec.server_args,
+        )
 
     async def agenerate(self, input_ids: list[int], sampling: SamplingParams) -> GenerationResult:
         """Generate from token ids; returns tokens, their log-probs and versions."""
@@ -176,6 +224,28 @@ class SGLangEngine(HttpServerEngine):
         if not isinstance(result, dict) or not result.get("success"):
             raise ServerError(f"sglang {path} did not succeed: {str(result)[:1000]}")
         return result
+
+
+def sglang_command(
+    launch_cmd: Sequence[str],
+    model_path: str,
+    host: str,
+    port: str,
+    *,
+    tp_size: int | None = None,
+    dtype: str | None = None,
+    seed: int | None = None,
+    server_args: Sequence[str] = (),
+) -> list[str]:
+    """The SGLang server command line; settings left None are left to SGLang."""
+    argv = [*launch_cmd, "--model-path", model_path, "--host", host, "--port", port]
+    if tp_size is not None:
+        argv += ["--tp-size", str(tp_size)]
+    if dtype is not None:
+        argv += ["--dtype", dtype]
+    if seed is not None:
+        argv += ["--random-seed", str(seed)]
+    return [*argv, *server_args]
 
 
 def sampling_params_json(sampling: SamplingParams) -> dict:

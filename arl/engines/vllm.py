@@ -22,9 +22,13 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from arl.engines.base import GenerationResult, SamplingParams
 from arl.engines.server import HttpServerEngine, ServerError, ServerProcess, free_port
+
+if TYPE_CHECKING:
+    from arl.engines.spec import EngineSpec
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
@@ -40,6 +44,18 @@ class VLLMEngine(HttpServerEngine):
 
     engine_name = "vllm"
 
+    # Flags arl derives from the engine spec, and the setting each comes from.
+    OWNED_FLAGS = {
+        "--model": "actor.path",
+        "--host": "the node's address",
+        "--port": "a free port on the node",
+        "--logprobs-mode": "arl (processed_logprobs)",
+        "--tensor-parallel-size": "the t of rollout.backend (vllm:dNtT)",
+        "-tp": "the t of rollout.backend (vllm:dNtT)",
+        "--dtype": "rollout.dtype",
+        "--seed": "experiment.seed",
+    }
+
     def __init__(
         self,
         model_path: str,
@@ -50,6 +66,9 @@ class VLLMEngine(HttpServerEngine):
         port: int = 0,
         env: Mapping[str, str] | None = None,
         logprobs_mode: str = "processed_logprobs",
+        tensor_parallel_size: int | None = None,
+        dtype: str | None = None,
+        seed: int | None = None,
         start_timeout_s: float = 600.0,
         request_timeout_s: float = 600.0,
         max_connections: int = 1024,
@@ -60,20 +79,17 @@ class VLLMEngine(HttpServerEngine):
                 f"logprobs_mode={logprobs_mode!r} is not supported; use one of {LOGPROBS_MODES}"
             )
         port = port or free_port(host)
-        argv = [
+        argv = vllm_command(
             python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
             model_path,
-            "--host",
             host,
-            "--port",
             str(port),
-            "--logprobs-mode",
-            logprobs_mode,
-            *server_args,
-        ]
+            logprobs_mode=logprobs_mode,
+            tensor_parallel_size=tensor_parallel_size,
+            dtype=dtype,
+            seed=seed,
+            server_args=server_args,
+        )
         # Dev mode is what exposes /pause, /resume and /collective_rpc.
         server_env = {**(env or {}), "VLLM_SERVER_DEV_MODE": "1"}
         server = ServerProcess(
@@ -86,6 +102,35 @@ class VLLMEngine(HttpServerEngine):
             max_connections=max_connections,
         )
         self.model_path = model_path
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec, **options: object) -> VLLMEngine:
+        """The engine of a rollout node's `EngineSpec` (every setting of the spec reaches the
+        server's command line); ``options`` are further constructor arguments (``env``...)."""
+        return cls(
+            spec.model_path,
+            python=spec.python,
+            server_args=spec.server_args,
+            tensor_parallel_size=spec.tp_size,
+            dtype=spec.dtype,
+            seed=spec.seed,
+            start_timeout_s=spec.start_timeout_s,
+            **options,  # type: ignore[arg-type]
+        )
+
+    @staticmethod
+    def command_line(spec: EngineSpec, host: str, port: str) -> list[str]:
+        """The server command `from_spec` runs, with ``port`` as given."""
+        return vllm_command(
+            spec.python,
+            spec.model_path,
+            host,
+            port,
+            tensor_parallel_size=spec.tp_size,
+            dtype=spec.dtype,
+            seed=spec.seed,
+            server_args=spec.server_args,
+        )
 
     async def agenerate(self, input_ids: list[int], sampling: SamplingParams) -> GenerationResult:
         """Generate from token ids; returns tokens, their log-probs and versions."""
@@ -128,6 +173,30 @@ class VLLMEngine(HttpServerEngine):
 
     async def _server_resume(self) -> None:
         await self._request("POST", "/resume")
+
+
+def vllm_command(
+    python: str,
+    model_path: str,
+    host: str,
+    port: str,
+    *,
+    logprobs_mode: str = "processed_logprobs",
+    tensor_parallel_size: int | None = None,
+    dtype: str | None = None,
+    seed: int | None = None,
+    server_args: Sequence[str] = (),
+) -> list[str]:
+    """The vLLM OpenAI-server command line; settings left None are left to vLLM."""
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path]
+    argv += ["--host", host, "--port", port, "--logprobs-mode", logprobs_mode]
+    if tensor_parallel_size is not None:
+        argv += ["--tensor-parallel-size", str(tensor_parallel_size)]
+    if dtype is not None:
+        argv += ["--dtype", dtype]
+    if seed is not None:
+        argv += ["--seed", str(seed)]
+    return [*argv, *server_args]
 
 
 def _completion_body(input_ids: list[int], sampling: SamplingParams) -> dict:

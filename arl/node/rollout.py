@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from arl.engines.base import SamplingParams
+from arl.engines.spec import EngineSpec, build_engine
 from arl.engines.weight_transfer import (
     BroadcastGroup,
     BucketLayout,
@@ -49,8 +50,8 @@ class RolloutWorker:
         self,
         *,
         model_path: str,
-        engine: str = "arl.engines.hf:HFEngine",
-        engine_kwargs: dict | None = None,
+        engine: dict | None = None,
+        engine_options: dict | None = None,
         workflow: str = "arl.workflows.rlvr:RLVRWorkflow",
         reward: str = "arl.rewards.gsm8k:gsm8k_reward",
         sampling: dict | None = None,
@@ -62,7 +63,12 @@ class RolloutWorker:
         workflow_kwargs: dict | None = None,
     ):
         self.model_path = model_path
-        self.engine_target, self.engine_kwargs = engine, dict(engine_kwargs or {})
+        # The engine's `EngineSpec` in wire form (default: the hf engine on the CPU); the
+        # options are further constructor arguments of its class (a server's env, say).
+        self.engine_spec = EngineSpec.from_wire(
+            engine if engine is not None else EngineSpec(name="hf", model_path=model_path).to_wire()
+        )
+        self.engine_options = dict(engine_options or {})
         self.reward_target, self.workflow_target = reward, workflow
         self.sampling = SamplingParams(**(sampling or {}))
         self.n_samples, self.max_prompt_len = n_samples, max_prompt_len
@@ -87,7 +93,6 @@ class RolloutWorker:
         loop = asyncio.get_running_loop()
         # All are checked before any is imported; a refusal names what it was for.
         for what, target in (
-            ("engine", self.engine_target),
             ("rollout.reward", self.reward_target),
             ("rollout.workflow", self.workflow_target),
             *((("rollout.agent", self.agent_target),) if self.agent_target else ()),
@@ -102,21 +107,15 @@ class RolloutWorker:
             # or the node's heartbeats stall and the controller declares it lost.
             from transformers import AutoTokenizer
 
-            engine_cls = resolve_import(self.engine_target, prefixes)
             reward_fn = resolve_import(self.reward_target, prefixes)
             workflow_cls = resolve_import(self.workflow_target, prefixes)
             if self.agent_target:  # the agent workflow's `run(client, data)`
                 self.workflow_kwargs["agent"] = resolve_import(self.agent_target, prefixes)
             tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-            return engine_cls, reward_fn, workflow_cls, tokenizer
+            engine = build_engine(self.engine_spec, **self.engine_options)  # hf loads here
+            return engine, reward_fn, workflow_cls, tokenizer
 
-        engine_cls, reward_fn, workflow_cls, tokenizer = await loop.run_in_executor(None, load)
-        if inspect.iscoroutinefunction(getattr(engine_cls, "create", None)):
-            self.engine = await engine_cls.create(self.model_path, **self.engine_kwargs)
-        else:
-            self.engine = await loop.run_in_executor(
-                None, lambda: engine_cls(self.model_path, **self.engine_kwargs)
-            )
+        self.engine, reward_fn, workflow_cls, tokenizer = await loop.run_in_executor(None, load)
         start = getattr(self.engine, "start", None)
         if inspect.iscoroutinefunction(start):  # server engines (vllm, sglang) start a process
             await start()

@@ -90,11 +90,10 @@ def test_load_rows_refuses_before_import_and_imports_when_allowed(armed):
     assert armed.read_text() == "imported"
 
 
-def test_rollout_node_refuses_engine_workflow_and_reward_outside_its_prefixes(armed, tmp_path):
-    """The node checks all three before importing any of them, naming the one refused."""
+def test_rollout_node_refuses_workflow_and_reward_outside_its_prefixes(armed, tmp_path):
+    """The node checks both before importing either, naming the one refused."""
     target = f"{MODULE}:Anything"
     cases = {
-        "engine": {"engine": target},
         "rollout.workflow": {"workflow": target},
         "rollout.reward": {"reward": target},
     }

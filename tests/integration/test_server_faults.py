@@ -25,6 +25,7 @@ from arl.data.arith import make_arith
 from arl.engines.base import SamplingParams, generate_to_completion
 from arl.engines.server import ServerExited, process_group_members
 from arl.engines.sglang import SGLangEngine
+from arl.engines.spec import EngineSpec
 from tests.support.cluster import local_cluster
 from tests.support.tiny_model import make_tiny_model
 
@@ -112,8 +113,8 @@ def test_clean_close_is_not_a_server_failure(tiny_model):
 def _rollout_worker_kwargs(model: str, launch_cmd: list[str], env: dict) -> dict:
     return {
         "model_path": model,
-        "engine": "arl.engines.sglang:SGLangEngine",
-        "engine_kwargs": {"launch_cmd": launch_cmd, "env": env, "start_timeout_s": 120},
+        "engine": EngineSpec(name="sglang", model_path=model, start_timeout_s=120).to_wire(),
+        "engine_options": {"launch_cmd": launch_cmd, "env": env},
         "reward": "arl.rewards.arith:arith_reward",
         "sampling": {"max_new_tokens": LONG.max_new_tokens},
         "n_samples": 4,
@@ -194,13 +195,15 @@ def test_rollout_node_stops_naming_its_killed_vllm_server(tmp_path):
                 "arl.node.rollout:RolloutWorker",
                 name="rollout",
                 model_path=model,
-                engine="arl.engines.vllm:VLLMEngine",
-                engine_kwargs={
-                    "python": python,
-                    "server_args": ["--dtype", "bfloat16", "--max-model-len", "2048"],
-                    "env": {"VLLM_CPU_KVCACHE_SPACE": "2"},
-                    "start_timeout_s": 1500,
-                },
+                engine=EngineSpec(
+                    name="vllm",
+                    model_path=model,
+                    dtype="bfloat16",
+                    python=python,
+                    server_args=("--max-model-len", "2048"),
+                    start_timeout_s=1500,
+                ).to_wire(),
+                engine_options={"env": {"VLLM_CPU_KVCACHE_SPACE": "2"}},
                 reward="arl.rewards.arith:arith_reward",
                 sampling={"max_new_tokens": 1024},
                 n_samples=4,

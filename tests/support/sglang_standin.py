@@ -450,6 +450,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--dtype", default="auto", help="auto (float32 here), float32, bfloat16")
     parser.add_argument("--random-seed", type=int, default=0)
+    parser.add_argument(
+        "--tp-size", type=int, default=1, help="accepted; the stand-in is one process"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)  # test machines are small and shared

@@ -1,0 +1,189 @@
+"""The engine spec: everything a rollout node's engine is built from, decided once.
+
+`engine_spec(cfg, node, model_path)` turns the config and one node of the placement plan into
+an `EngineSpec` on the launcher side: the engine's registered name, the model, the device, the
+dtype, the seed, the tensor-parallel size (the ``t`` of ``vllm:d2t2``), and for the server
+engines the interpreter, the extra server arguments and the start timeout. The spec travels to
+the node as a plain msgpack map (`to_wire` / `from_wire`) and becomes an engine there through
+the class registered under its name in `ENGINES` (`build_engine`).
+
+For the server engines `server_command(spec)` is the exact command line the node will run,
+which ``--dry-run`` prints. The flags arl derives from the spec (model, host, port, dtype,
+seed, tensor-parallel size) may not also appear in ``rollout.server_args``: two values for one
+flag would leave the server's choice to its argument parser, so that is a `ConfigError`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from arl.config import Config, ConfigError
+
+if TYPE_CHECKING:
+    from arl.control.placement import NodeSpec
+
+# name -> "module:class". The class builds itself from a spec with `from_spec(spec)`.
+ENGINES: dict[str, str] = {
+    "hf": "arl.engines.hf:HFEngine",
+    "vllm": "arl.engines.vllm:VLLMEngine",
+    "sglang": "arl.engines.sglang:SGLangEngine",
+}
+SERVER_ENGINES = ("vllm", "sglang")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+PORT_PLACEHOLDER = "<port>"  # the server's port is picked free on its node when it starts
+
+
+@attrs.frozen(kw_only=True)
+class EngineSpec:
+    """One rollout node's engine: what to build and with which settings."""
+
+    name: str
+    model_path: str
+    device: str = "cpu"
+    dtype: str = "auto"
+    seed: int = 1
+    tp_size: int = 1
+    python: str = "python"
+    server_args: tuple[str, ...] = ()
+    start_timeout_s: float = 600.0
+
+    def __attrs_post_init__(self) -> None:
+        problems = [
+            f"name={self.name!r} is not a registered engine ({', '.join(ENGINES)})"
+            if self.name not in ENGINES
+            else "",
+            f"dtype={self.dtype!r} is not one of {DTYPES}" if self.dtype not in DTYPES else "",
+            f"tp_size={self.tp_size} must be >= 1" if self.tp_size < 1 else "",
+            f"start_timeout_s={self.start_timeout_s} must be > 0"
+            if not self.start_timeout_s > 0
+            else "",
+            "hf runs one device per replica: tp_size must be 1 (use vllm or sglang for tensor "
+            "parallelism)"
+            if self.name == "hf" and self.tp_size != 1
+            else "",
+        ]
+        problems = [p for p in problems if p]
+        if problems:
+            raise ConfigError("engine spec: " + "; ".join(problems))
+
+    @property
+    def is_server(self) -> bool:
+        """Whether the engine is an inference server that the node starts as a process."""
+        return self.name in SERVER_ENGINES
+
+    def to_wire(self) -> dict:
+        """A plain msgpack map."""
+        d = attrs.asdict(self)
+        d["server_args"] = list(self.server_args)
+        return d
+
+    @classmethod
+    def from_wire(cls, d: Any) -> EngineSpec:
+        """Rebuild a spec from `to_wire`'s map, naming the field that is missing or mistyped."""
+        if not isinstance(d, dict):
+            raise ValueError(f"engine spec must be a map, got {type(d).__name__}")
+        types = {
+            "name": str,
+            "model_path": str,
+            "device": str,
+            "dtype": str,
+            "seed": int,
+            "tp_size": int,
+            "python": str,
+            "server_args": list,
+            "start_timeout_s": (int, float),
+        }
+        unknown = set(d) - set(types)
+        if unknown:
+            raise ValueError(f"engine spec: unknown field(s) {sorted(unknown)}")
+        for key, typ in types.items():
+            if key not in d:
+                raise ValueError(f"engine spec: field {key!r} is missing")
+            if not isinstance(d[key], typ) or isinstance(d[key], bool):
+                raise ValueError(
+                    f"engine spec: field {key!r} has type {type(d[key]).__name__}, expected "
+                    f"{getattr(typ, '__name__', typ)}"
+                )
+        if not all(isinstance(a, str) for a in d["server_args"]):
+            raise ValueError("engine spec: server_args must be strings")
+        return cls(
+            **{
+                **d,
+                "server_args": tuple(d["server_args"]),
+                "start_timeout_s": float(d["start_timeout_s"]),
+            }
+        )
+
+
+def engine_spec(
+    cfg: Config, node: NodeSpec, model_path: str, device: str | None = None
+) -> EngineSpec:
+    """The spec of rollout ``node``'s engine under ``cfg``; raises `ConfigError` when the
+    settings contradict each other (a server flag given twice, tensor parallelism on hf).
+    Replica ``r`` samples with seed ``experiment.seed + r``.
+
+    ``device`` is the device as the node process sees it (its CUDA_VISIBLE_DEVICES numbers
+    from 0); None: the plan's physical device, as ``--dry-run`` shows it.
+    """
+    spec = EngineSpec(
+        name=node.engine,
+        model_path=model_path,
+        device=node.device if device is None else device,
+        dtype=cfg.rollout.dtype,
+        seed=cfg.experiment.seed + node.dp_rank,  # replicas draw different samples
+        tp_size=node.tp_size,
+        python=cfg.rollout.server_python,
+        server_args=tuple(cfg.rollout.server_args),
+        start_timeout_s=cfg.rollout.server_start_timeout,
+    )
+    if spec.is_server:
+        server_command(spec)  # refuses server_args that repeat a flag arl sets
+    elif spec.server_args:
+        raise ConfigError(
+            f"rollout.server_args={list(spec.server_args)} is set but rollout.backend="
+            f"{cfg.rollout.backend!r} starts no server; remove them or use vllm/sglang"
+        )
+    return spec
+
+
+def engine_class(name: str) -> Any:
+    """The engine class registered under ``name``."""
+    module, _, attr = ENGINES[name].partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def build_engine(spec: EngineSpec, **options: Any) -> Any:
+    """A new, unstarted engine for ``spec`` (server engines start with ``await engine.start()``);
+    ``options`` are further arguments of the engine's constructor (a server's ``env``...)."""
+    return engine_class(spec.name).from_spec(spec, **options)
+
+
+def server_command(spec: EngineSpec, host: str = "127.0.0.1", port: int | None = None) -> list[str]:
+    """The server engine's exact command line (``port`` None: the placeholder ``<port>``)."""
+    if not spec.is_server:
+        raise ValueError(f"engine {spec.name!r} starts no server")
+    cls = engine_class(spec.name)
+    argv = cls.command_line(spec, host, PORT_PLACEHOLDER if port is None else str(port))
+    owned = cls.OWNED_FLAGS
+    for arg in spec.server_args:
+        flag = arg.split("=", 1)[0]
+        if flag in owned:
+            raise ConfigError(
+                f"rollout.server_args sets {flag}, which arl sets itself from "
+                f"{owned[flag]}; set that instead and remove {flag} from rollout.server_args"
+            )
+    return argv
+
+
+def describe(spec: EngineSpec) -> str:
+    """One line for ``--dry-run``: the engine, its device and settings, or its server command."""
+    if spec.is_server:
+        import shlex
+
+        line = shlex.join(server_command(spec)).replace(shlex.quote(PORT_PLACEHOLDER), "<port>")
+        return f"{spec.name} server: {line}"
+    settings = f"dtype {spec.dtype}, seed {spec.seed}"
+    return f"{spec.name} engine in the node process on {spec.device} ({settings})"
