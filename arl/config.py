@@ -50,11 +50,11 @@ class ExperimentConfig:
 class ClusterConfig:
     """How node daemons are started and how they reach the controller."""
 
-    launcher: Literal["local", "slurm", "ray", "attach", "embedded"] = _f(
+    launcher: Literal["local", "slurm", "ray", "attach"] = _f(
         "local",
         "local: spawn nodes as subprocesses; slurm: start them with srun inside an allocation; "
-        "ray: place them as actors on a Ray cluster; "
-        "attach: wait for externally started nodes; embedded: the program drives the controller",
+        "ray: place them as actors on a Ray cluster; attach: wait for externally started nodes "
+        "(a program that drives the controller itself builds it: examples/embedded.py)",
     )
     n_nodes: int | None = _f(None, "attach: how many nodes to wait for (none: from the plan)")
     controller_host: str = _f("127.0.0.1", "address the controller binds and nodes connect to")

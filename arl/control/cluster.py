@@ -3,15 +3,17 @@
 ``async with start_cluster(cfg, plan) as cluster`` binds the controller, starts the nodes the
 way ``cluster.launcher`` says (local subprocesses, one ``srun`` step, Ray actors, or none for
 attach), waits for them to say hello, and pairs each with its place in the plan. Leaving the
-block ends every process it started, whatever the reason.
+block ends every process it started, whatever the reason. Each mode is a `Launcher` in
+`LAUNCHERS`; a new mode is one more class there.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Protocol
 
 import attrs
 
@@ -75,6 +77,154 @@ def node_env(spec: NodeSpec, cfg: Config, n_nodes: int = 1) -> dict[str, str]:
     return env
 
 
+class Launcher(Protocol):
+    """How one launch mode starts the nodes of a plan; `start_cluster` drives every mode alike.
+
+    `prepare` runs before the controller binds (Ray connects and reserves there, since Ray
+    decides where the nodes run); `controller_host` is the address nodes can reach the
+    controller at; `start` starts the nodes, which then connect to ``controller``; `close` ends
+    whatever `start` started, and runs however the block is left.
+    """
+
+    async def prepare(self) -> None: ...
+
+    def controller_host(self, host: str) -> str: ...
+
+    async def start(self, controller: str) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+@attrs.frozen
+class LaunchRequest:
+    """What every launcher is built from: the run's config, plan, secret and node names."""
+
+    cfg: Config
+    plan: list[NodeSpec]
+    security: Security
+    names: list[str]
+
+    @property
+    def command_kw(self) -> dict:
+        """The `node_command` settings every node gets."""
+        c = self.cfg.cluster
+        return dict(
+            allowed_prefixes=c.allowed_import_prefixes,
+            heartbeat_interval=c.heartbeat_interval,
+            heartbeat_timeout=c.heartbeat_timeout,
+        )
+
+
+class _LocalLauncher:
+    """``local``: one ``arl-node`` subprocess per plan entry on this machine."""
+
+    def __init__(self, req: LaunchRequest) -> None:
+        self.req, self.nodes = req, None
+
+    async def prepare(self) -> None:
+        pass
+
+    def controller_host(self, host: str) -> str:
+        return host
+
+    async def start(self, controller: str) -> None:
+        r = self.req
+        envs = [node_env(s, r.cfg, len(r.plan)) for s in r.plan]
+        self.nodes = LocalNodes(controller, r.security, envs, node_ids=r.names, **r.command_kw)
+        await self.nodes.__aenter__()
+
+    async def close(self) -> None:
+        if self.nodes is not None:
+            await self.nodes.close()
+
+
+class _SlurmLauncher:
+    """``slurm``: one ``srun arl-node`` step inside the current allocation."""
+
+    def __init__(self, req: LaunchRequest) -> None:
+        self.req, self.nodes = req, None
+
+    async def prepare(self) -> None:
+        pass
+
+    def controller_host(self, host: str) -> str:
+        several_hosts = os.environ.get("SLURM_JOB_NUM_NODES", "1") != "1"
+        if host == "127.0.0.1" and several_hosts:
+            return routable_host()  # nodes on other hosts must reach the controller
+        return host
+
+    async def start(self, controller: str) -> None:
+        r = self.req
+        srun_args = r.cfg.cluster.srun_args
+        self.nodes = SlurmNodes(
+            controller, r.security, len(r.plan), srun_args=srun_args, **r.command_kw
+        )
+        await self.nodes.__aenter__()
+
+    async def close(self) -> None:
+        if self.nodes is not None:
+            await self.nodes.__aexit__(None, None, None)
+
+
+class _RayLauncher:
+    """``ray``: one Ray actor per node, in one placement group, starts and supervises it."""
+
+    def __init__(self, req: LaunchRequest) -> None:
+        c = req.cfg.cluster
+        self.nodes = RayNodes(
+            req.security,
+            req.plan,
+            node_ids=req.names,
+            address=c.ray_address,
+            namespace=c.ray_namespace,
+            cpus={"rollout": c.ray_rollout_cpus, "train": c.ray_train_cpus},
+            strategy=c.ray_placement_strategy,
+            placement_timeout=c.ray_placement_timeout,
+            cpu_threads=c.cpu_threads_per_node,
+            **req.command_kw,
+        )
+
+    async def prepare(self) -> None:
+        await self.nodes.__aenter__()
+
+    def controller_host(self, host: str) -> str:
+        return self.nodes.controller_host(host)
+
+    async def start(self, controller: str) -> None:
+        await self.nodes.start(controller)
+
+    async def close(self) -> None:
+        await self.nodes.close()
+
+
+class _AttachLauncher:
+    """``attach``: starts nothing; a job script runs ``arl-node --controller ...`` itself."""
+
+    def __init__(self, req: LaunchRequest) -> None:
+        self.n_nodes = len(req.plan)
+
+    async def prepare(self) -> None:
+        pass
+
+    def controller_host(self, host: str) -> str:
+        return host
+
+    async def start(self, controller: str) -> None:
+        log.warning("waiting for %d nodes to attach to %s", self.n_nodes, controller)
+
+    async def close(self) -> None:
+        pass
+
+
+# cluster.launcher -> the launcher class of that mode.
+LAUNCHERS: dict[str, Callable[[LaunchRequest], Launcher]] = {
+    "local": _LocalLauncher,
+    "slurm": _SlurmLauncher,
+    "ray": _RayLauncher,
+    "attach": _AttachLauncher,
+}
+
+
 @asynccontextmanager
 async def start_cluster(
     cfg: Config, plan: list[NodeSpec], security: Security | None = None
@@ -82,37 +232,12 @@ async def start_cluster(
     """Start (or attach to) the nodes of ``plan`` and yield them by role."""
     security = security or run_security(cfg)
     c = cfg.cluster
-    host = c.controller_host
-    if (
-        c.launcher == "slurm"
-        and host == "127.0.0.1"
-        and os.environ.get("SLURM_JOB_NUM_NODES", "1") != "1"
-    ):
-        host = routable_host()  # nodes on other hosts must reach the controller
     names = [f"{s.role}{s.rank}" for s in plan]
-    command_kw = dict(
-        allowed_prefixes=c.allowed_import_prefixes,
-        heartbeat_interval=c.heartbeat_interval,
-        heartbeat_timeout=c.heartbeat_timeout,
-    )
+    launcher = LAUNCHERS[c.launcher](LaunchRequest(cfg, plan, security, names))
     async with AsyncExitStack() as stack:
-        ray_nodes = None
-        if c.launcher == "ray":  # connect and reserve first: Ray says where the nodes will be
-            ray_nodes = await stack.enter_async_context(
-                RayNodes(
-                    security,
-                    plan,
-                    node_ids=names,
-                    address=c.ray_address,
-                    namespace=c.ray_namespace,
-                    cpus={"rollout": c.ray_rollout_cpus, "train": c.ray_train_cpus},
-                    strategy=c.ray_placement_strategy,
-                    placement_timeout=c.ray_placement_timeout,
-                    cpu_threads=c.cpu_threads_per_node,
-                    **command_kw,
-                )
-            )
-            host = ray_nodes.controller_host(host)
+        stack.push_async_callback(launcher.close)  # also after a failed prepare or start
+        await launcher.prepare()
+        host = launcher.controller_host(c.controller_host)
         ctl = await stack.enter_async_context(
             Controller(
                 security,
@@ -124,24 +249,7 @@ async def start_cluster(
                 inline_threshold=cfg.transport.inline_threshold_bytes,
             )
         )
-        if c.launcher in ("local", "embedded"):
-            await stack.enter_async_context(
-                LocalNodes(
-                    ctl.address,
-                    security,
-                    [node_env(s, cfg, len(plan)) for s in plan],
-                    node_ids=names,
-                    **command_kw,
-                )
-            )
-        elif c.launcher == "slurm":
-            await stack.enter_async_context(
-                SlurmNodes(ctl.address, security, len(plan), srun_args=c.srun_args, **command_kw)
-            )
-        elif ray_nodes is not None:
-            await ray_nodes.start(ctl.address)
-        else:  # attach: a job script starts `arl-node --controller ...` itself
-            log.warning("waiting for %d nodes to attach to %s", len(plan), ctl.address)
+        await launcher.start(ctl.address)
         n = c.n_nodes or len(plan)
         if n < len(plan):
             raise ValueError(f"cluster.n_nodes={n} but the placement plan needs {len(plan)} nodes")

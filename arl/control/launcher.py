@@ -16,28 +16,17 @@ sockets. The run secret reaches spawned nodes through the environment, never the
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
 import shutil
-import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from arl.process import OwnedProcess, spawn
 from arl.wire.sockets import SECRET_ENV, Security
 
 log = logging.getLogger("arl.launcher")
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: the heartbeat timeout still ends orphaned nodes
 
 
 def node_command(
@@ -66,23 +55,6 @@ def node_command(
     return cmd
 
 
-async def _end_process(proc: asyncio.subprocess.Process, grace: float) -> None:
-    if proc.returncode is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        await asyncio.wait_for(proc.wait(), grace)
-    except TimeoutError:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        await proc.wait()
-
-
 class LocalNodes:
     """Spawn ``n`` node processes on this machine; an async context manager that ends them."""
 
@@ -101,7 +73,7 @@ class LocalNodes:
         self.node_ids = list(node_ids or [f"node{i}" for i in range(len(self.node_envs))])
         self.grace = grace
         self.command_kw = command_kw
-        self.procs: list[asyncio.subprocess.Process] = []
+        self.procs: list[OwnedProcess] = []
 
     async def __aenter__(self) -> LocalNodes:
         try:
@@ -110,14 +82,7 @@ class LocalNodes:
                 cmd = node_command(
                     self.controller, node_id=node_id, curve=self.security.curve, **self.command_kw
                 )
-                proc = await asyncio.create_subprocess_exec(
-                    *cmd,
-                    env=env,
-                    preexec_fn=_die_with_parent,
-                    start_new_session=True,
-                    stdin=asyncio.subprocess.DEVNULL,
-                )
-                self.procs.append(proc)
+                self.procs.append(spawn(cmd, env=env))
         except BaseException:
             await self.close()
             raise
@@ -133,7 +98,7 @@ class LocalNodes:
 
     async def close(self) -> None:
         """End every node: SIGTERM to its process group, SIGKILL after the grace period."""
-        await asyncio.gather(*(_end_process(p, self.grace) for p in self.procs))
+        await asyncio.gather(*(p.stop(self.grace) for p in self.procs))
 
 
 class SlurmNodes:
@@ -156,7 +121,7 @@ class SlurmNodes:
             )
         self.controller, self.security, self.n_nodes = controller, security, n_nodes
         self.srun_args, self.grace, self.command_kw = list(srun_args), grace, command_kw
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: OwnedProcess | None = None
 
     async def __aenter__(self) -> SlurmNodes:
         node_cmd = node_command(self.controller, curve=self.security.curve, **self.command_kw)
@@ -168,15 +133,9 @@ class SlurmNodes:
             *node_cmd,
         ]
         env = {**os.environ, SECRET_ENV: self.security.secret}
-        self.proc = await asyncio.create_subprocess_exec(
-            *cmd,
-            env=env,
-            preexec_fn=_die_with_parent,
-            start_new_session=True,
-            stdin=asyncio.subprocess.DEVNULL,
-        )
+        self.proc = spawn(cmd, env=env)
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         if self.proc is not None:
-            await _end_process(self.proc, self.grace)
+            await self.proc.stop(self.grace)

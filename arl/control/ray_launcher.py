@@ -30,12 +30,10 @@ goes over arl's own ZeroMQ sockets, exactly as in the local and Slurm modes.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import math
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -46,11 +44,10 @@ from typing import Any
 from arl.config import ConfigError
 from arl.control.launcher import node_command
 from arl.control.placement import NodeSpec
+from arl.process import OwnedProcess, spawn
 from arl.wire.sockets import SECRET_ENV, Security
 
 log = logging.getLogger("arl.ray")
-
-_PR_SET_PDEATHSIG = 1
 
 
 def import_ray() -> Any:
@@ -73,11 +70,10 @@ class NodeProcess:
     """
 
     def __init__(self, args: list[str], env: dict[str, str], cwd: str):
-        self.proc: subprocess.Popen | None = None
+        self.owned: OwnedProcess | None = None
+        self.proc: subprocess.Popen | None = None  # self.owned's leader
         self._started, self._done = threading.Event(), threading.Event()
         self._error: BaseException | None = None
-        # Resolved before any fork: only the prctl call itself runs in the child.
-        self._prctl = _load_prctl()
         # PDEATHSIG fires when the *thread* that forked the child ends, so fork from a thread
         # that lives exactly as long as the daemon (it waits on it), not from Ray's task threads.
         threading.Thread(
@@ -88,16 +84,13 @@ class NodeProcess:
             raise self._error
 
     def _supervise(self, args: list[str], env: dict[str, str], cwd: str) -> None:
-        prctl = self._prctl
         try:
-            self.proc = subprocess.Popen(
+            self.owned = spawn(
                 [sys.executable, *args],
                 env={**os.environ, **env},
                 cwd=cwd if os.path.isdir(cwd) else None,  # the launcher's directory, if shared
-                preexec_fn=(lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)) if prctl else None,
-                start_new_session=True,
-                stdin=subprocess.DEVNULL,
             )
+            self.proc = self.owned.popen
         except BaseException as e:
             self._error = e
             return
@@ -126,24 +119,10 @@ class NodeProcess:
 
     def stop(self, grace: float) -> int:
         """End the daemon's process group: SIGTERM, then SIGKILL after ``grace`` seconds."""
-        assert self.proc is not None
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            if self._done.is_set():
-                break
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-            self._done.wait(grace)
+        assert self.owned is not None and self.proc is not None
+        self.owned.stop_sync(grace)
         self._done.wait()
         return self.proc.returncode
-
-
-def _load_prctl() -> Any:
-    try:
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None  # not Linux: the heartbeat timeout still ends orphaned daemons
 
 
 class _HideThreadWarning(logging.Filter):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import ctypes
 import inspect
 import json as _json
 import logging
@@ -22,18 +21,17 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Mapping, Sequence
-from pathlib import Path
 from typing import TypeVar
 
 import aiohttp
 
+from arl.process import OwnedProcess, spawn
+
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 _POLL_S = 0.05
 _EXIT_GRACE_S = 1.0  # how long a failed request waits for the watchdog to confirm an exit
 
@@ -61,23 +59,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
-
-
-def process_group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) pids whose process group is ``pgid``; Linux, via /proc."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:  # the process ended while we looked
-            continue
-        # Fields after the parenthesised command name: state ppid pgrp ...
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(entry.name))
-    return members
 
 
 class ServerProcess:
@@ -116,7 +97,8 @@ class ServerProcess:
         # kept when the server failed, for the post-mortem the error message points to.
         self._owns_log = log_path is None
         self.log_path = log_path
-        self._proc: subprocess.Popen | None = None
+        self._owned: OwnedProcess | None = None
+        self._proc: subprocess.Popen | None = None  # self._owned's leader
         self._healthy = False
 
     @property
@@ -185,16 +167,10 @@ class ServerProcess:
             try:
                 # Spawned on this (the loop's) thread, not in an executor: the parent-death
                 # signal fires when the spawning thread exits. fork+exec is brief.
-                self._proc = subprocess.Popen(
-                    self.argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log_fh,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    cwd=self.cwd,
-                    start_new_session=True,
-                    preexec_fn=_death_signal_hook(),
+                self._owned = spawn(
+                    self.argv, env=env, cwd=self.cwd, stdout=log_fh, stderr=subprocess.STDOUT
                 )
+                self._proc = self._owned.popen
             except OSError as exc:
                 if self._owns_log:
                     os.unlink(self.log_path)  # empty: nothing ran
@@ -243,53 +219,26 @@ class ServerProcess:
 
         Safe to call more than once.
         """
-        if self._proc is None:
+        if self._owned is None:
             return
         clean = self._proc.poll() is None and self._healthy
-        pgid = self._proc.pid
-        self._signal_group(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while self._group_alive(pgid) and time.monotonic() < deadline:
-            await asyncio.sleep(_POLL_S)
-        self._finish(pgid, clean)
+        self._finish(await self._owned.stop(grace_s), clean)
 
     def stop_sync(self, grace_s: float = 5.0) -> None:
         """Blocking `stop`, for interpreter exit and other places without an event loop."""
-        if self._proc is None:
+        if self._owned is None:
             return
         clean = self._proc.poll() is None and self._healthy
-        pgid = self._proc.pid
-        self._signal_group(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while self._group_alive(pgid) and time.monotonic() < deadline:
-            time.sleep(_POLL_S)
-        self._finish(pgid, clean)
+        self._finish(self._owned.stop_sync(grace_s), clean)
 
-    def _finish(self, pgid: int, clean: bool) -> None:
-        if self._group_alive(pgid):
-            log.warning("%s (pgid %d) ignored SIGTERM; sending SIGKILL", self.name, pgid)
-            self._signal_group(signal.SIGKILL)
-            self._proc.wait()
+    def _finish(self, killed: bool, clean: bool) -> None:
+        if killed:
+            log.warning("%s (pgid %d) ignored SIGTERM; it was sent SIGKILL", self.name, self.pid)
         ServerProcess._live.discard(self)
         if clean and self._owns_log:
             with contextlib.suppress(OSError):
                 os.unlink(self.log_path)
         self._healthy = False
-
-    def _group_alive(self, pgid: int) -> bool:
-        self._proc.poll()  # reap the leader so it does not linger as a zombie
-        if sys.platform.startswith("linux"):
-            return bool(process_group_members(pgid))
-        return self._proc.returncode is None
-
-    def _signal_group(self, sig: signal.Signals) -> None:
-        try:
-            os.killpg(self._proc.pid, sig)
-        except ProcessLookupError:
-            pass  # the group is already gone
-        except PermissionError:
-            # pgid reused by a process we do not own: our group is gone, leave it alone.
-            pass
 
     @classmethod
     def _track(cls, server: ServerProcess) -> None:
@@ -309,25 +258,6 @@ def _signal_name(num: int) -> str:
         return signal.Signals(num).name
     except ValueError:
         return str(num)
-
-
-def _death_signal_hook():
-    """A ``preexec_fn`` that sets the parent-death signal, or None where prctl does not exist.
-
-    prctl is looked up here, in the parent: the child, between fork and exec, must not load
-    libraries (a lock held by another parent thread at fork time would deadlock it).
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    parent = os.getpid()
-
-    def hook() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return hook
 
 
 class HttpServerEngine:

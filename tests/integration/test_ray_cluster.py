@@ -27,9 +27,9 @@ import uvloop
 
 from arl.config import ConfigError
 from arl.control.controller import Controller, NodeLost
-from arl.control.launcher import _die_with_parent
 from arl.control.placement import NodeSpec
 from arl.control.ray_launcher import RayNodes
+from arl.process import death_signal_hook
 from arl.stats.logger import read_jsonl
 from arl.wire.sockets import Security, new_secret
 from tests.support.tiny_model import make_tiny_model, tiny_run_config
@@ -85,7 +85,7 @@ def ray_head():
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=death_signal_hook(),
         )
         try:
             deadline = time.monotonic() + 120

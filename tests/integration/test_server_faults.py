@@ -23,9 +23,10 @@ import pytest
 from arl.control.controller import NodeLost, RemoteError
 from arl.data.arith import make_arith
 from arl.engines.base import SamplingParams, generate_to_completion
-from arl.engines.server import ServerExited, process_group_members
+from arl.engines.server import ServerExited
 from arl.engines.sglang import SGLangEngine
 from arl.engines.spec import EngineSpec
+from arl.process import process_group_members
 from tests.support.cluster import local_cluster
 from tests.support.tiny_model import make_tiny_model
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from arl.engines.base import SamplingParams, generate_to_completion
-from arl.engines.server import process_group_members
 from arl.engines.vllm import VLLMEngine
+from arl.process import process_group_members
 from tests.support import LoopThread
 
 # The first test also pays for the server's start (minutes on a busy 2-core machine).

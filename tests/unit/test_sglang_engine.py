@@ -22,8 +22,9 @@ import pytest
 import torch
 
 from arl.engines.base import SamplingParams, generate_to_completion
-from arl.engines.server import ServerError, ServerStartError, free_port, process_group_members
+from arl.engines.server import ServerError, ServerStartError, free_port
 from arl.engines.sglang import SGLangEngine
+from arl.process import process_group_members
 from tests.support import LoopThread
 
 REPO = Path(__file__).resolve().parents[2]
