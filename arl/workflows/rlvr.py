@@ -12,8 +12,6 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import attrs
-
 from arl.engines.base import Engine, SamplingParams, generate_to_completion
 from arl.workflows.base import pack_group
 
@@ -92,18 +90,3 @@ class RLVRWorkflow:
         )
         group["_texts"] = texts  # kept out of the shard by the worker; for logs and evaluation
         return group
-
-
-def sampling_from_config(gconfig: Any, **override: Any) -> SamplingParams:
-    """SamplingParams from a `GenerationConfig` (or a dict of its fields)."""
-    g = gconfig if isinstance(gconfig, dict) else attrs.asdict(gconfig)
-    params = {
-        "max_new_tokens": g["max_new_tokens"],
-        "temperature": g["temperature"],
-        "top_p": g["top_p"],
-        "top_k": g["top_k"],
-        "greedy": g["greedy"],
-        "stop_token_ids": list(g["stop_token_ids"]),
-    }
-    params.update(override)
-    return SamplingParams(**params)
