@@ -143,6 +143,30 @@ class SGLangEngine(HttpServerEngine):
             self._inflight -= 1
         return parse_generate_response(body, self._window_version)
 
+    async def score(self, token_ids: Sequence[int]) -> list[float]:
+        """Log-probs of ``token_ids[1:]``, each given the tokens before it, under the weights
+        the server holds now (``logprob_start_len=0``, temperature 1); call while running."""
+        payload = {
+            "rid": uuid.uuid4().hex,
+            "input_ids": [int(t) for t in token_ids],
+            "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "stream": False,
+        }
+        body = await self._request("POST", "/generate", json=payload, control=False)
+        try:
+            pairs = body["meta_info"]["input_token_logprobs"]
+            ids = [int(p[1]) for p in pairs]
+            lps = [float(p[0]) for p in pairs[1:]]
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise ServerError(
+                f"unexpected sglang input_token_logprobs response ({exc!r}): {str(body)[:500]}"
+            ) from exc
+        if ids != [int(t) for t in token_ids]:
+            raise ServerError(f"sglang scored tokens {ids[:8]}..., not the ones sent")
+        return lps
+
     async def update_weights_from_disk(
         self, path: str, *, load_format: str | None = None, flush_cache: bool = True
     ) -> dict:

@@ -144,6 +144,20 @@ class VLLMEngine(HttpServerEngine):
             self._inflight -= 1
         return _parse_completion(body, self._window_version)
 
+    async def score(self, token_ids: Sequence[int]) -> list[float]:
+        """Log-probs of ``token_ids[1:]``, each given the tokens before it, under the weights
+        the server holds now (``prompt_logprobs``, temperature 1); call while running."""
+        body = {
+            "prompt": [int(t) for t in token_ids],
+            "max_tokens": 1,
+            "temperature": 1.0,
+            "prompt_logprobs": 0,
+            "return_token_ids": True,
+            "stream": False,
+        }
+        resp = await self._request("POST", "/v1/completions", json=body, control=False)
+        return _parse_prompt_logprobs(resp, list(token_ids))
+
     async def update_weights_from_disk(self, path: str) -> None:
         """Reload the weights in place from the HF-format directory ``path`` (call while paused).
 
@@ -219,6 +233,23 @@ def _completion_body(input_ids: list[int], sampling: SamplingParams) -> dict:
         "skip_special_tokens": False,
         "stream": False,
     }
+
+
+def _parse_prompt_logprobs(body: object, token_ids: list[int]) -> list[float]:
+    """The prompt's own token log-probs from a ``prompt_logprobs`` response: one map per
+    position (token id -> {"logprob"...}; None for the first), the prompt's token among them."""
+    try:
+        per_position = body["choices"][0]["prompt_logprobs"]
+        out = []
+        for pos, entry in enumerate(per_position[1:], start=1):
+            out.append(float(entry[str(token_ids[pos])]["logprob"]))
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise ServerError(
+            f"unexpected vllm prompt_logprobs response ({exc!r}): {str(body)[:500]}"
+        ) from exc
+    if len(out) != len(token_ids) - 1:
+        raise ServerError(f"vllm scored {len(out)} of {len(token_ids) - 1} prompt tokens")
+    return out
 
 
 def _parse_completion(body: object, version: int) -> GenerationResult:

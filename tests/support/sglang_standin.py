@@ -149,6 +149,12 @@ class StandinServer:
         if body.get("return_logprob"):
             pairs = zip(logprobs, out_ids, strict=True)
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in pairs]
+            start = body.get("logprob_start_len", -1)
+            if start >= 0:  # SGLang: the prompt's own log-probs from position `start` on
+                lps = await self.run(self._prompt_logprobs, input_ids)
+                meta["input_token_logprobs"] = [
+                    [lp, t, None] for lp, t in list(zip(lps, input_ids, strict=True))[start:]
+                ]
         text = self.tokenizer.decode(out_ids) if self.tokenizer is not None else ""
         return {"text": text, "output_ids": out_ids, "meta_info": meta}
 
@@ -206,6 +212,13 @@ class StandinServer:
         weights = logprobs.exp().masked_fill(~keep, 0.0)
         token = int(torch.multinomial(weights, 1, generator=self.generator))
         return token, float(logprobs[token]), cache
+
+    @torch.no_grad()
+    def _prompt_logprobs(self, ids: list[int]) -> list[float | None]:
+        """log_softmax of one teacher-forced pass: entry i scores ids[i] given ids[:i]."""
+        logits = self.model(torch.tensor([ids])).logits[0].float()
+        lps = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])
+        return [None, *(float(x) for x in lps[:, 0])]
 
     # ---- pause / continue -------------------------------------------------------------------
 

@@ -370,3 +370,26 @@ def test_server_ends_when_its_owner_is_killed(tmp_path):
     while process_group_members(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert process_group_members(pid) == []
+
+
+def test_score_gives_the_served_weights_log_probs_of_a_sequence(served, models):
+    """`score` is what weight verification compares with the trainer: it follows the weights
+    the server holds, so a stale server is told apart from an updated one."""
+    loop, engine = served
+    seq = PROMPT + [7, 8, 9]
+    want_a, _ = _teacher_forced(models["ref_a"], seq[:1], seq[1:])
+    want_b, _ = _teacher_forced(models["ref_b"], seq[:1], seq[1:])
+    got = loop.run(engine.score(seq))
+    assert len(got) == len(seq) - 1
+    assert torch.allclose(torch.tensor(got), want_a, atol=1e-4)
+    assert not torch.allclose(torch.tensor(got), want_b, atol=1e-2)
+    loop.run(engine.pause())
+    loop.run(engine.update_weights_from_disk(str(models["b"])))
+    loop.run(engine.resume())
+    try:
+        got = loop.run(engine.score(seq))
+        assert torch.allclose(torch.tensor(got), want_b, atol=1e-4)
+    finally:
+        loop.run(engine.pause())
+        loop.run(engine.update_weights_from_disk(str(models["a"])))
+        loop.run(engine.resume())
