@@ -191,6 +191,42 @@ def test_reload_weights_from_a_directory(served, model_dir, tokenizer, tmp_path)
         loop.run(engine.update_weights_from_disk(str(tmp_path / "missing")))
 
 
+def test_score_follows_the_weights_the_server_holds(
+    served, hf_model, model_dir, tokenizer, tmp_path
+):
+    """`score` (prompt log-probs) matches a teacher-forced pass, and moves when weights do."""
+    from safetensors.torch import load_file, save_file
+
+    loop, engine = served
+    seq = _chat(tokenizer, "What is 2+3?") + tokenizer("2 + 3 = 5.")["input_ids"]
+    got = torch.tensor(loop.run(engine.score(seq)))
+    assert got.shape == (len(seq) - 1,)
+    # bf16 against bf16 through other kernels: single tokens differ by up to ~0.3 nats, the
+    # mean stays small (what weight verification compares).
+    ref = _teacher_forced(hf_model, seq[:1], seq[1:], 1.0)
+    assert (got - ref).abs().mean() < 0.1
+
+    changed = tmp_path / "scaled"
+    shutil.copytree(model_dir, changed)
+    weights = load_file(changed / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 1.5
+    save_file(weights, changed / "model.safetensors", metadata={"format": "pt"})
+
+    async def rescore():
+        await engine.pause()
+        await engine.update_weights_from_disk(str(changed))
+        await engine.resume()
+        moved = await engine.score(seq)
+        await engine.pause()
+        await engine.update_weights_from_disk(model_dir)
+        await engine.resume()
+        return moved, await engine.score(seq)
+
+    moved, restored = loop.run(rescore())
+    assert (torch.tensor(moved) - got).abs().mean() > 0.3
+    assert torch.allclose(torch.tensor(restored), got, atol=1e-3)
+
+
 def test_health_reports_the_server(served):
     loop, engine = served
     info = loop.run(engine.health())
