@@ -83,7 +83,9 @@ class Launcher(Protocol):
     `prepare` runs before the controller binds (Ray connects and reserves there, since Ray
     decides where the nodes run); `controller_host` is the address nodes can reach the
     controller at; `start` starts the nodes, which then connect to ``controller``; `close` ends
-    whatever `start` started, and runs however the block is left.
+    whatever `prepare` and `start` set up. `close` must be safe to call more than once: it runs
+    while the controller is still up (the nodes end first) and again at the very end, which
+    also covers a failed `prepare` or a controller that could not bind.
     """
 
     async def prepare(self) -> None: ...
@@ -136,6 +138,7 @@ class _LocalLauncher:
     async def close(self) -> None:
         if self.nodes is not None:
             await self.nodes.close()
+            self.nodes = None
 
 
 class _SlurmLauncher:
@@ -164,6 +167,7 @@ class _SlurmLauncher:
     async def close(self) -> None:
         if self.nodes is not None:
             await self.nodes.__aexit__(None, None, None)
+            self.nodes = None
 
 
 class _RayLauncher:
@@ -235,7 +239,7 @@ async def start_cluster(
     names = [f"{s.role}{s.rank}" for s in plan]
     launcher = LAUNCHERS[c.launcher](LaunchRequest(cfg, plan, security, names))
     async with AsyncExitStack() as stack:
-        stack.push_async_callback(launcher.close)  # also after a failed prepare or start
+        stack.push_async_callback(launcher.close)  # last out: also after a failed prepare
         await launcher.prepare()
         host = launcher.controller_host(c.controller_host)
         ctl = await stack.enter_async_context(
@@ -249,6 +253,7 @@ async def start_cluster(
                 inline_threshold=cfg.transport.inline_threshold_bytes,
             )
         )
+        stack.push_async_callback(launcher.close)  # the nodes end while the controller is up
         await launcher.start(ctl.address)
         n = c.n_nodes or len(plan)
         if n < len(plan):
