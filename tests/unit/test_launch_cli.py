@@ -62,9 +62,35 @@ def test_recipe_defaults():
     assert (cfg.actor.reward_bias, cfg.actor.reward_scaling) == (-0.5, 10.0)
     assert (cfg.actor.reward_norm_mean, cfg.actor.reward_norm_std) == ("group", "group")
     assert (cfg.actor.adv_norm_mean, cfg.actor.adv_norm_std) == ("batch", "batch")
-    local = REPO.parent / "shared" / "data" / "gsm8k"
-    expected = str(local.resolve()) if local.is_dir() else "openai/gsm8k"
-    assert cfg.data.path == expected
+    assert cfg.data.path == "openai/gsm8k"
+    assert (cfg.experiment.total_train_steps, cfg.data.batch_size) == (3, 2)  # the CPU preset
+
+
+def test_the_cpu_preset_follows_the_placement_plan_and_overrides_win():
+    def steps(*args: str) -> tuple[int, int]:
+        r = launch("recipes/arith.py", "--dry-run", *args)
+        assert r.returncode == 0, r.stderr
+        cfg = from_yaml(_resolved_yaml(r.stdout))
+        return cfg.experiment.total_train_steps, cfg.data.batch_size
+
+    assert steps("cluster.n_gpus=0") == (4, 2)  # no GPU in the plan: recipes/arith.py cpu_preset
+    assert steps("cluster.n_gpus=1") == (20, 16)  # a GPU in the plan: make_config as written
+    assert steps("cluster.n_gpus=0", "experiment.total_train_steps=7") == (7, 2)
+
+
+def test_recipes_import_no_torch():
+    """--help RECIPE stays fast: importing a recipe (and the launcher) leaves torch unimported."""
+    script = (
+        "import sys\n"
+        "from arl.launch import import_recipe\n"
+        "for r in ('arith', 'gsm8k', 'gsm8k_agent'):\n"
+        "    import_recipe(f'recipes/{r}.py').make_config()\n"
+        "print('torch' in sys.modules)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
 
 
 def test_unknown_key_exits_2_with_suggestion_and_no_traceback():
