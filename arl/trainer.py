@@ -49,6 +49,7 @@ async def run(cfg: Config) -> None:
     """Run the whole experiment described by ``cfg``."""
     from arl.launch import detect_gpus
 
+    t0 = time.monotonic()
     plan = plan_placement(cfg, detect_gpus(cfg))
     async with start_cluster(cfg, plan) as cluster:
         trainer = PPOTrainer(cfg, cluster)
@@ -57,6 +58,7 @@ async def run(cfg: Config) -> None:
             await trainer.train()
         finally:
             await trainer.close()
+    print(trainer.summary(time.monotonic() - t0), flush=True)  # after the nodes' exit logs
 
 
 def load_rows(cfg: Config, split: str) -> list[dict]:
@@ -134,6 +136,8 @@ class PPOTrainer:
         self.rollout: RolloutController | None = None
         self.weight_sync: WeightSync | None = None
         self.progress: Any = None
+        self.last_metrics: dict = {}
+        self.last_eval: tuple[int, dict] | None = None  # (step, eval metrics)
         self.tracer = Tracer(cfg.run_path / "trace.json" if cfg.stats.trace else None)
 
     # ---- setup ------------------------------------------------------------------------------
@@ -310,7 +314,9 @@ class PPOTrainer:
             metrics.update(await self._node_gauges())
             self._trace_step(t0, t0 + t_rollout, t1, t2)
             if cfg.evaluator.freq_steps and self.step % cfg.evaluator.freq_steps == 0:
-                metrics.update(await self.evaluate())
+                self.last_eval = (self.step, await self.evaluate())
+                metrics.update(self.last_eval[1])
+            self.last_metrics = metrics
             # Logged before the checkpoint: a crash in between repeats this step's line after
             # recovery rather than losing it.
             self.stats.log(self.step, metrics)
@@ -484,6 +490,36 @@ class PPOTrainer:
                 post["eval"] = f"{m['eval/accuracy']:.2f}"
             self.progress.set_postfix(post)
             self.progress.update(1)
+
+    def summary(self, wall_s: float) -> str:
+        """The run's last lines: steps, wall time, final reward and accuracy, and its files."""
+        m, run = self.last_metrics, self.cfg.run_path
+        minutes, seconds = divmod(round(wall_s), 60)
+        lines = [f"done: {self.step} steps in {minutes} min {seconds:02d} s"]
+        if m:
+            lines[0] += (
+                f"; last step: reward {m['rollout/reward_mean']:.3f}, "
+                f"accuracy {m['rollout/accuracy']:.2f}"
+            )
+        if self.last_eval is not None:
+            step, e = self.last_eval
+            acc, n = e["eval/accuracy"], e["eval/n"]
+            lines[0] += f"; held-out accuracy {acc:.2f} ({n} questions, step {step})"
+        files = [
+            ("metrics", self.stats.jsonl_path),
+            ("TensorBoard", run / "tensorboard"),
+            ("trace", self.tracer.path),
+            ("checkpoints", run / "checkpoints"),
+            ("recovery", run / "recover"),
+        ]
+        lines += [f"  {name:<12} {path}" for name, path in files if path and Path(path).exists()]
+        if self.stats.jsonl_path is not None:
+            lines.append(
+                f"plot: python -m arl.stats.plot {self.stats.jsonl_path} -o {run / 'curve.png'}"
+                "  (needs pip install -e '.[plot]'); or: tensorboard --logdir "
+                f"{run / 'tensorboard'}"
+            )
+        return "\n".join(lines)
 
     async def close(self) -> None:
         """Stop rollout and close the loggers (the cluster ends the processes)."""

@@ -39,9 +39,9 @@ def make_config() -> Config:
 
 def cpu_preset(cfg: Config) -> None:
     """Applied by the launcher when the placement plan has no GPU: a few minutes on two cores."""
-    cfg.experiment.total_train_steps = 4
+    cfg.experiment.total_train_steps = 6
     cfg.data.batch_size = 2
     cfg.gconfig.n_samples = 4
     cfg.gconfig.max_new_tokens = 48
-    cfg.evaluator.freq_steps = 4  # once, at the end
+    cfg.evaluator.freq_steps = 3
     cfg.evaluator.max_questions = 16

@@ -142,6 +142,8 @@ async def start_cluster(
             await ray_nodes.start(ctl.address)
         else:  # attach: a job script starts `arl-node --controller ...` itself
             log.warning("waiting for %d nodes to attach to %s", len(plan), ctl.address)
+        # Unwound before the launchers end the nodes: their exits then are expected, not losses.
+        stack.callback(ctl.expect_exits)
         n = c.n_nodes or len(plan)
         if n < len(plan):
             raise ValueError(f"cluster.n_nodes={n} but the placement plan needs {len(plan)} nodes")

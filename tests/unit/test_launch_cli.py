@@ -73,7 +73,7 @@ def test_the_cpu_preset_follows_the_placement_plan_and_overrides_win():
         cfg = from_yaml(_resolved_yaml(r.stdout))
         return cfg.experiment.total_train_steps, cfg.data.batch_size
 
-    assert steps("cluster.n_gpus=0") == (4, 2)  # no GPU in the plan: recipes/arith.py cpu_preset
+    assert steps("cluster.n_gpus=0") == (6, 2)  # no GPU in the plan: recipes/arith.py cpu_preset
     assert steps("cluster.n_gpus=1") == (20, 16)  # a GPU in the plan: make_config as written
     assert steps("cluster.n_gpus=0", "experiment.total_train_steps=7") == (7, 2)
 
