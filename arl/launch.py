@@ -20,7 +20,8 @@ from arl.data.gsm8k import DatasetError
 USAGE = """\
 usage: python -m arl.launch RECIPE [key=value ...] [--dry-run] [--help]
 
-  RECIPE      a Python file defining make_config() -> arl.config.Config (e.g. recipes/gsm8k.py)
+  RECIPE      a Python file defining make_config() -> arl.config.Config (e.g. recipes/gsm8k.py),
+              and optionally cpu_preset(cfg), applied when the placement plan has no GPU
   key=value   override a config field, e.g. actor.lr=1e-5 rollout.backend=sglang:d2
               lists: cluster.srun_args=[a,b]; optional fields: evaluator.freq_steps=none
   --dry-run   print the resolved config and the placement plan, then exit

@@ -507,7 +507,7 @@ class PPOTrainer:
             lines[0] += f"; held-out accuracy {acc:.2f} ({n} questions, step {step})"
         files = [
             ("metrics", self.stats.jsonl_path),
-            ("TensorBoard", run / "tensorboard"),
+            ("TensorBoard", run / "tensorboard"),  # tensorboard --logdir DIR
             ("trace", self.tracer.path),
             ("checkpoints", run / "checkpoints"),
             ("recovery", run / "recover"),
@@ -516,8 +516,7 @@ class PPOTrainer:
         if self.stats.jsonl_path is not None:
             lines.append(
                 f"plot: python -m arl.stats.plot {self.stats.jsonl_path} -o {run / 'curve.png'}"
-                "  (needs pip install -e '.[plot]'); or: tensorboard --logdir "
-                f"{run / 'tensorboard'}"
+                "  (pip install -e '.[plot]')"
             )
         return "\n".join(lines)
 

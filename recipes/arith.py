@@ -43,5 +43,5 @@ def cpu_preset(cfg: Config) -> None:
     cfg.data.batch_size = 2
     cfg.gconfig.n_samples = 4
     cfg.gconfig.max_new_tokens = 48
-    cfg.evaluator.freq_steps = 3
+    cfg.evaluator.freq_steps = 6  # once, after the last step
     cfg.evaluator.max_questions = 16
