@@ -14,7 +14,8 @@ the run logs each node's ``bytes_held`` gauge at the end of every step. The test
   dozen steps), and the train rank's is back to 0 after every step.
 
 ``ARL_SOAK_REPORT=FILE`` writes the per-step samples and the summary as JSON (the figures in
-docs/reliability.md come from it). Run it with ``python3 -m pytest -s -m slow tests/integration/test_soak.py``.
+docs/reliability.md come from it). Run it with
+``python3 -m pytest -s -m slow tests/integration/test_soak.py``.
 """
 
 from __future__ import annotations
