@@ -51,14 +51,24 @@ async def run(cfg: Config) -> None:
 
     t0 = time.monotonic()
     plan = plan_placement(cfg, detect_gpus(cfg))
+    # The data first: a missing or unreachable dataset fails before any process starts.
+    data = await asyncio.get_running_loop().run_in_executor(None, load_data, cfg)
     async with start_cluster(cfg, plan) as cluster:
         trainer = PPOTrainer(cfg, cluster)
         try:
-            await trainer.setup()
+            await trainer.setup(data)
             await trainer.train()
         finally:
             await trainer.close()
     print(trainer.summary(time.monotonic() - t0), flush=True)  # after the nodes' exit logs
+
+
+def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
+    """The training rows, and the evaluation rows (none without ``evaluator.freq_steps``)."""
+    rows = load_rows(cfg, cfg.data.train_split)
+    if not cfg.evaluator.freq_steps:
+        return rows, []
+    return rows, load_rows(cfg, cfg.data.eval_split)[: cfg.evaluator.max_questions or None]
 
 
 def load_rows(cfg: Config, split: str) -> list[dict]:
@@ -141,18 +151,17 @@ class PPOTrainer:
         self.tracer = Tracer(cfg.run_path / "trace.json" if cfg.stats.trace else None)
 
     # ---- setup ------------------------------------------------------------------------------
-    async def setup(self) -> None:
-        """Resolve the model, start engines and train ranks, restore a checkpoint if asked."""
+    async def setup(self, data: tuple[list[dict], list[dict]] | None = None) -> None:
+        """Resolve the model, start engines and train ranks, restore a checkpoint if asked;
+        ``data`` is `load_data`'s (train, eval) rows, loaded here when not given."""
         cfg = self.cfg
         loop = asyncio.get_running_loop()
         from arl.engines.model import resolve_model
 
         model_path = await loop.run_in_executor(None, resolve_model, cfg.actor.path)
-        rows = await loop.run_in_executor(None, load_rows, cfg, cfg.data.train_split)
-        self.eval_rows = []
-        if cfg.evaluator.freq_steps:
-            self.eval_rows = await loop.run_in_executor(None, load_rows, cfg, cfg.data.eval_split)
-            self.eval_rows = self.eval_rows[: cfg.evaluator.max_questions or None]
+        if data is None:
+            data = await loop.run_in_executor(None, load_data, cfg)
+        rows, self.eval_rows = data
         await asyncio.gather(
             self._start_rollout_workers(model_path), self._start_train_workers(model_path)
         )
