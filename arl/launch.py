@@ -1,8 +1,9 @@
 """``python -m arl.launch RECIPE [key=value ...] [--dry-run] [--help]``: run a recipe.
 
-A recipe is a Python file defining ``make_config() -> Config``. Overrides are applied, the config
-is validated and placed on this machine's devices before any process starts, the resolved config
-is saved as ``config.yaml`` in the run directory, and the training loop runs.
+A recipe is a Python file defining ``make_config() -> Config`` and, optionally,
+``cpu_preset(cfg)``, applied when the placement plan has no GPU. Overrides are applied, the
+config is validated and placed before any process starts, the resolved config is saved as
+``config.yaml`` in the run directory, and the training loop runs.
 """
 
 import asyncio
@@ -10,15 +11,18 @@ import importlib.util
 import logging
 import sys
 from pathlib import Path
+from types import ModuleType
 
 from arl.config import Config, ConfigError, apply_overrides, help_text, save_resolved, to_yaml
-from arl.control.placement import format_plan, plan_placement
+from arl.control.placement import NodeSpec, format_plan, plan_placement
+from arl.data.gsm8k import DatasetError
 from arl.engines.spec import describe, engine_spec
 
 USAGE = """\
 usage: python -m arl.launch RECIPE [key=value ...] [--dry-run] [--help]
 
-  RECIPE      a Python file defining make_config() -> arl.config.Config (e.g. recipes/gsm8k.py)
+  RECIPE      a Python file defining make_config() -> arl.config.Config (e.g. recipes/gsm8k.py),
+              and optionally cpu_preset(cfg), applied when the placement plan has no GPU
   key=value   override a config field, e.g. actor.lr=1e-5 rollout.backend=sglang:d2
               lists: cluster.srun_args=[a,b]; optional fields: evaluator.freq_steps=none
   --dry-run   print the resolved config and the placement plan, then exit
@@ -26,8 +30,8 @@ usage: python -m arl.launch RECIPE [key=value ...] [--dry-run] [--help]
 """
 
 
-def load_recipe(path: str) -> Config:
-    """Import the recipe file at ``path`` and return its ``make_config()``."""
+def import_recipe(path: str) -> ModuleType:
+    """Import the recipe file at ``path`` as a module (it must define ``make_config``)."""
     file = Path(path)
     if not file.is_file():
         raise ConfigError(
@@ -38,15 +42,41 @@ def load_recipe(path: str) -> Config:
         raise ConfigError(f"recipe {path!r} cannot be imported; is it a .py file?")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    make_config = getattr(module, "make_config", None)
-    if not callable(make_config):
+    if not callable(getattr(module, "make_config", None)):
         raise ConfigError(f"recipe {path!r} defines no make_config() function returning a Config")
-    cfg = make_config()
+    return module
+
+
+def load_recipe(path: str, recipe: ModuleType | None = None) -> Config:
+    """The ``make_config()`` of the recipe file at ``path`` (imported unless given)."""
+    cfg = (recipe or import_recipe(path)).make_config()
     if not isinstance(cfg, Config):
         raise ConfigError(
             f"recipe {path!r}: make_config() returned {type(cfg).__name__}, not arl.config.Config"
         )
     return cfg
+
+
+def configure(path: str, overrides: list[str]) -> tuple[Config, list[NodeSpec], int]:
+    """The recipe's config under ``overrides``, validated and placed: (config, plan, GPUs).
+
+    When the plan has no GPU and the recipe defines ``cpu_preset(cfg)``, the preset is applied
+    to ``make_config()`` first and the overrides after it, so a command-line value always wins.
+    """
+    recipe = import_recipe(path)
+    cfg = apply_overrides(load_recipe(path, recipe), overrides)
+    cfg.validate()
+    n_gpus = detect_gpus(cfg)
+    plan = plan_placement(cfg, n_gpus)
+    cpu_preset = getattr(recipe, "cpu_preset", None)
+    if cpu_preset is not None and not any(n.gpu_ids for n in plan):
+        cfg = load_recipe(path, recipe)
+        cpu_preset(cfg)
+        cfg = apply_overrides(cfg, overrides)
+        cfg.validate()
+        n_gpus = detect_gpus(cfg)
+        plan = plan_placement(cfg, n_gpus)
+    return cfg, plan, n_gpus
 
 
 def detect_gpus(cfg: Config) -> int:
@@ -143,10 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         if recipe is None:
             print(f"a recipe file is required\n\n{USAGE}", file=sys.stderr)
             return 2
-        cfg = apply_overrides(load_recipe(recipe), overrides)
-        cfg.validate()
-        n_gpus = detect_gpus(cfg)
-        plan = plan_placement(cfg, n_gpus)
+        cfg, plan, n_gpus = configure(recipe, overrides)
         # Built here only to refuse contradicting engine settings before any process starts;
         # the trainer builds them again with the resolved model path and node-local devices.
         engines = [engine_spec(cfg, n, cfg.actor.path) for n in plan if n.role == "rollout"]
@@ -171,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("arl.launch").info("resolved config saved to %s", saved)
     try:
         return _run(cfg)
-    except ConfigError as e:
+    except (ConfigError, DatasetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -50,14 +50,26 @@ async def run(cfg: Config) -> None:
     """Run the whole experiment described by ``cfg``."""
     from arl.launch import detect_gpus
 
+    t0 = time.monotonic()
     plan = plan_placement(cfg, detect_gpus(cfg))
+    # The data first: a missing or unreachable dataset fails before any process starts.
+    data = await asyncio.get_running_loop().run_in_executor(None, load_data, cfg)
     async with start_cluster(cfg, plan) as cluster:
         trainer = PPOTrainer(cfg, cluster)
         try:
-            await trainer.setup()
+            await trainer.setup(data)
             await trainer.train()
         finally:
             await trainer.close()
+    print(trainer.summary(time.monotonic() - t0), flush=True)  # after the nodes' exit logs
+
+
+def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
+    """The training rows, and the evaluation rows (none without ``evaluator.freq_steps``)."""
+    rows = load_rows(cfg, cfg.data.train_split)
+    if not cfg.evaluator.freq_steps:
+        return rows, []
+    return rows, load_rows(cfg, cfg.data.eval_split)[: cfg.evaluator.max_questions or None]
 
 
 def load_rows(cfg: Config, split: str) -> list[dict]:
@@ -135,21 +147,22 @@ class PPOTrainer:
         self.rollout: RolloutController | None = None
         self.weight_sync: WeightSync | None = None
         self.progress: Any = None
+        self.last_metrics: dict = {}
+        self.last_eval: tuple[int, dict] | None = None  # (step, eval metrics)
         self.tracer = Tracer(cfg.run_path / "trace.json" if cfg.stats.trace else None)
 
     # ---- setup ------------------------------------------------------------------------------
-    async def setup(self) -> None:
-        """Resolve the model, start engines and train ranks, restore a checkpoint if asked."""
+    async def setup(self, data: tuple[list[dict], list[dict]] | None = None) -> None:
+        """Resolve the model, start engines and train ranks, restore a checkpoint if asked;
+        ``data`` is `load_data`'s (train, eval) rows, loaded here when not given."""
         cfg = self.cfg
         loop = asyncio.get_running_loop()
         from arl.engines.model import resolve_model
 
         model_path = await loop.run_in_executor(None, resolve_model, cfg.actor.path)
-        rows = await loop.run_in_executor(None, load_rows, cfg, cfg.data.train_split)
-        self.eval_rows = []
-        if cfg.evaluator.freq_steps:
-            self.eval_rows = await loop.run_in_executor(None, load_rows, cfg, cfg.data.eval_split)
-            self.eval_rows = self.eval_rows[: cfg.evaluator.max_questions or None]
+        if data is None:
+            data = await loop.run_in_executor(None, load_data, cfg)
+        rows, self.eval_rows = data
         await asyncio.gather(
             self._start_rollout_workers(model_path), self._start_train_workers(model_path)
         )
@@ -299,7 +312,9 @@ class PPOTrainer:
             metrics.update(await self._node_gauges())
             self._trace_step(t0, t0 + t_rollout, t1, t2)
             if cfg.evaluator.freq_steps and self.step % cfg.evaluator.freq_steps == 0:
-                metrics.update(await self.evaluate())
+                self.last_eval = (self.step, await self.evaluate())
+                metrics.update(self.last_eval[1])
+            self.last_metrics = metrics
             # Logged before the checkpoint: a crash in between repeats this step's line after
             # recovery rather than losing it.
             self.stats.log(self.step, metrics)
@@ -473,6 +488,35 @@ class PPOTrainer:
                 post["eval"] = f"{m['eval/accuracy']:.2f}"
             self.progress.set_postfix(post)
             self.progress.update(1)
+
+    def summary(self, wall_s: float) -> str:
+        """The run's last lines: steps, wall time, final reward and accuracy, and its files."""
+        m, run = self.last_metrics, self.cfg.run_path
+        minutes, seconds = divmod(round(wall_s), 60)
+        lines = [f"done: {self.step} steps in {minutes} min {seconds:02d} s"]
+        if m:
+            lines[0] += (
+                f"; last step: reward {m['rollout/reward_mean']:.3f}, "
+                f"accuracy {m['rollout/accuracy']:.2f}"
+            )
+        if self.last_eval is not None:
+            step, e = self.last_eval
+            acc, n = e["eval/accuracy"], e["eval/n"]
+            lines[0] += f"; held-out accuracy {acc:.2f} ({n} questions, step {step})"
+        files = [
+            ("metrics", self.stats.jsonl_path),
+            ("TensorBoard", run / "tensorboard"),  # tensorboard --logdir DIR
+            ("trace", self.tracer.path),
+            ("checkpoints", run / "checkpoints"),
+            ("recovery", run / "recover"),
+        ]
+        lines += [f"  {name:<12} {path}" for name, path in files if path and Path(path).exists()]
+        if self.stats.jsonl_path is not None:
+            lines.append(
+                f"plot: python -m arl.stats.plot {self.stats.jsonl_path} -o {run / 'curve.png'}"
+                "  (pip install -e '.[plot]')"
+            )
+        return "\n".join(lines)
 
     async def close(self) -> None:
         """Stop rollout and close the loggers (the cluster ends the processes)."""

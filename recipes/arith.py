@@ -4,6 +4,9 @@ The same machinery as recipes/gsm8k.py on a task where SmolLM2-135M-Instruct sta
 sampled accuracy and 22-31% greedy (a dense enough reward for GRPO to show learning on a small
 model). Rewards by math-verify; held-out pairs are never trained on.
 
+Without a GPU in the placement plan the launcher applies `cpu_preset`, a run of a few minutes
+on two cores (the README's quick start); on GPUs the recipe runs as `make_config` writes it.
+
     python -m arl.launch recipes/arith.py
     python -m arl.launch recipes/arith.py cluster.n_gpus=1 experiment.total_train_steps=100
 """
@@ -32,3 +35,13 @@ def make_config() -> Config:
     cfg.evaluator.max_questions = 144  # the whole held-out split
     cfg.evaluator.temperature = 1.0  # sampled accuracy, as the goal is stated
     return cfg
+
+
+def cpu_preset(cfg: Config) -> None:
+    """Applied by the launcher when the placement plan has no GPU: a few minutes on two cores."""
+    cfg.experiment.total_train_steps = 6
+    cfg.data.batch_size = 2
+    cfg.gconfig.n_samples = 4
+    cfg.gconfig.max_new_tokens = 48
+    cfg.evaluator.freq_steps = 6  # once, after the last step
+    cfg.evaluator.max_questions = 16

@@ -5,25 +5,22 @@ engine; reward 1 when math-verify finds the reference answer, else 0; rewards sh
 scaled by 10, normalised within each group, advantages normalised over the batch; decoupled PPO
 (clip 0.4) on the actor. Rollout runs ahead of training by at most eta = 2 policy versions.
 
+Data: ``openai/gsm8k`` from the hub (``pip install -e '.[gsm8k]'``), or ``data.path=DIR``, a
+directory holding train.jsonl and test.jsonl (keys question, answer).
+
     python -m arl.launch recipes/gsm8k.py --dry-run
+    python -m arl.launch recipes/gsm8k.py data.path=DIR
     python -m arl.launch recipes/gsm8k.py rollout.backend=sglang:d4 actor.backend=fsdp:d4
 """
 
-from pathlib import Path
-
-import torch
-
 from arl.config import Config
-
-# The repo's shared copy of GSM8K (train.jsonl, test.jsonl) when present; else the hub dataset.
-LOCAL_GSM8K = Path(__file__).resolve().parent.parent / ".." / "shared" / "data" / "gsm8k"
 
 
 def make_config() -> Config:
     """The GSM8K GRPO defaults; change any of them with key=value on the command line."""
     cfg = Config()
     cfg.experiment.name = "gsm8k-grpo"
-    cfg.data.path = str(LOCAL_GSM8K.resolve()) if LOCAL_GSM8K.is_dir() else "openai/gsm8k"
+    cfg.data.path = "openai/gsm8k"
     cfg.experiment.total_train_steps = 200
     cfg.data.batch_size = 64  # prompt groups per step
     cfg.gconfig.n_samples = 4  # group size
@@ -38,10 +35,12 @@ def make_config() -> Config:
     cfg.actor.reward_scaling = 10.0
     cfg.actor.reward_norm_mean = cfg.actor.reward_norm_std = "group"
     cfg.actor.adv_norm_mean = cfg.actor.adv_norm_std = "batch"
-    if not torch.cuda.is_available():
-        # The embedded CPU default: three small steps, a few minutes on two cores.
-        cfg.experiment.total_train_steps = 3
-        cfg.data.batch_size = 2
-        cfg.gconfig.max_new_tokens = 128
-        cfg.actor.max_tokens_per_mb = 2048  # bounds the fp32 logits of one micro-batch
     return cfg
+
+
+def cpu_preset(cfg: Config) -> None:
+    """Applied by the launcher when the placement plan has no GPU: three small steps."""
+    cfg.experiment.total_train_steps = 3
+    cfg.data.batch_size = 2
+    cfg.gconfig.max_new_tokens = 128
+    cfg.actor.max_tokens_per_mb = 2048  # bounds the fp32 logits of one micro-batch

@@ -1,9 +1,9 @@
 """GRPO on GSM8K with the rollout written as agent code against an OpenAI-style client.
 
-The run of recipes/gsm8k.py (its make_config: same model, data, budget, reward and loss), except
-that each episode is `arl.agent.examples.math_agent.run(client, data)`: the agent calls
-``client.chat.completions.create(...)`` as it would call OpenAI, arl records what the policy
-generated, and the agent's final answer is scored by rollout.reward. ``run_with_calculator``
+The run of recipes/gsm8k.py (its make_config and cpu_preset: same model, data, budget, reward
+and loss), except that each episode is `arl.agent.examples.math_agent.run(client, data)`: the agent
+calls ``client.chat.completions.create(...)`` as it would call OpenAI, arl records what the
+policy generated, and the agent's final answer is scored by rollout.reward. ``run_with_calculator``
 gives the model a calculator tool (multi-turn; its conversations need a longer prompt budget).
 
     python -m arl.launch recipes/gsm8k_agent.py
@@ -14,12 +14,15 @@ gives the model a calculator tool (multi-turn; its conversations need a longer p
 from pathlib import Path
 
 from arl.config import Config
-from arl.launch import load_recipe
+from arl.launch import import_recipe
+
+GSM8K = import_recipe(str(Path(__file__).with_name("gsm8k.py")))
+cpu_preset = GSM8K.cpu_preset  # the same small run when the plan has no GPU
 
 
 def make_config() -> Config:
     """recipes/gsm8k.py's config with the math agent as the workflow."""
-    cfg = load_recipe(str(Path(__file__).with_name("gsm8k.py")))
+    cfg = GSM8K.make_config()
     cfg.experiment.name = "gsm8k-agent"
     cfg.rollout.workflow = "arl.workflows.agent:AgentWorkflow"
     cfg.rollout.agent = "arl.agent.examples.math_agent:run"

@@ -6,8 +6,8 @@ control-plane message of a real run is sent, and none of the model's work is don
 configuration runs in a fresh child process, so that memory figures do not carry over:
 
 1. CPU: the controller process's CPU time per step (``time.process_time``: its event loop and
-   ZeroMQ's I/O thread) over the step's wall time, at a step as long as the README's measured
-   H200 arith step (16 groups x 8 samples, 1.6 s). Goal: < 2%.
+   ZeroMQ's I/O thread) over the step's wall time, at a step as long as the measured H200
+   arith step in docs/results.md (16 groups x 8 samples, 1.6 s). Goal: < 2%.
 2. Memory: the controller's resident memory after setup, after step 1 and after the last step,
    for batches of 64 to 1,024 prompt groups. Goal: flat (the controller holds metadata only:
    it grows with the groups it tracks, never with steps or sequence length).

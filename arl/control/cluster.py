@@ -255,6 +255,8 @@ async def start_cluster(
         )
         stack.push_async_callback(launcher.close)  # the nodes end while the controller is up
         await launcher.start(ctl.address)
+        # Unwound before the launchers end the nodes: their exits then are expected, not losses.
+        stack.callback(ctl.expect_exits)
         n = c.n_nodes or len(plan)
         if n < len(plan):
             raise ValueError(f"cluster.n_nodes={n} but the placement plan needs {len(plan)} nodes")

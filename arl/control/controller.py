@@ -144,6 +144,7 @@ class Controller:
         self._event_handlers: dict[str, list[Callable[[str, Any], Any]]] = {}
         self._lost_handlers: list[Callable[[str, str], Any]] = []
         self._tasks: list[asyncio.Task] = []
+        self._stopping = False
         self.address = ""
 
     # ---- lifetime ---------------------------------------------------------------------------
@@ -192,6 +193,10 @@ class Controller:
         self.auth.stop()
         self.sock.close(0)
         self.ctx.term()
+
+    def expect_exits(self) -> None:
+        """The run is ending its nodes: from now on a node that leaves is stopped, not lost."""
+        self._stopping = True
 
     # ---- nodes ------------------------------------------------------------------------------
     async def wait_for_nodes(self, n: int, timeout: float = 60.0) -> list[NodeHandle]:
@@ -375,10 +380,12 @@ class Controller:
             return
         node.lost = why
         self.lost[node.node_id] = why
-        # An orderly exit (bye) is news; a silent node is an error.
-        (log.info if why.startswith("node exited") else log.error)(
-            "node %s lost: %s", node.node_id, why
-        )
+        if self._stopping:  # the run itself is ending its nodes
+            log.debug("node %s stopped: %s", node.node_id, why)
+        else:  # an orderly exit (bye) is news; a silent node is an error
+            (log.info if why.startswith("node exited") else log.error)(
+                "node %s lost: %s", node.node_id, why
+            )
         for fut, node_id, method in list(self._pending.values()):
             if node_id == node.node_id and not fut.done():
                 fut.set_exception(NodeLost(node_id, method, why))

@@ -1,4 +1,7 @@
-"""GSM8K: rows from a local ``{split}.jsonl`` directory (or a hub id via `datasets`), the prompt.
+"""GSM8K: rows from a local ``{split}.jsonl`` directory or a hub id (`datasets`), the prompt.
+
+``data.path`` is either: a directory holding ``train.jsonl`` and ``test.jsonl``, or a hub id
+such as ``openai/gsm8k`` (needs ``pip install -e '.[gsm8k]'`` and a reachable hub).
 
 A row is the source object (keys ``question`` and ``answer``, the answer ending in
 ``#### <number>``) plus ``messages``, the chat prompt from `build_messages`. Malformed rows are
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -86,18 +90,34 @@ class _BadJson:
 
 
 def _hub_records(hub_id: str, split: str) -> Iterable[tuple[int, Any]]:
+    local_hint = (
+        "point data.path=DIR at a local copy (a directory holding train.jsonl and test.jsonl, "
+        "keys question and answer)"
+    )
     if importlib.util.find_spec("datasets") is None:
         raise DatasetError(
-            f"{hub_id!r} is not a local directory, and loading it from the hub needs the "
-            "`datasets` package, which is not installed; pass a local directory holding "
-            f"{split}.jsonl (keys question, answer) or `pip install datasets`"
+            f"data.path={hub_id!r} is not a local directory, and loading it from the hub needs "
+            f"the `datasets` package (pip install -e '.[gsm8k]'); or {local_hint}"
         )
     import datasets
 
     # openai/gsm8k has two configs; "main" is the standard one.
     config = "main" if hub_id == "openai/gsm8k" else None
-    ds = datasets.load_dataset(hub_id, config, split=split)
+    try:
+        ds = datasets.load_dataset(hub_id, config, split=split)
+    except Exception as exc:  # offline, unknown id, no such split: all end in the same advice
+        offline = " (HF_HUB_OFFLINE is set)" if _hub_offline() else ""
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        raise DatasetError(
+            f"data.path={hub_id!r}: loading it from the hub failed{offline} ({reason}); "
+            f"{local_hint}"
+        ) from exc
     return enumerate(ds, start=1)
+
+
+def _hub_offline() -> bool:
+    flags = (os.environ.get(k, "") for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    return any(f.strip().lower() in ("1", "true", "yes", "on") for f in flags)
 
 
 def _row_problem(record: Any) -> str | None:

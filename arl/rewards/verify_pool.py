@@ -1,18 +1,20 @@
 """math-verify under a hard timeout, in long-lived worker processes that can be killed.
 
 math-verify's own timeouts use ``signal.alarm``, which fails off the main thread; here each check
-runs in a worker (``python -m arl.rewards.verify_pool``) that gets JSON lines on stdin and answers
-on stdout (no pickle). A worker that overruns its timeout is killed and replaced; the call returns
-0.0 and counts a timeout. Under the hood the calls are blocking pipe I/O on threads: `verify_sync`
-works from any thread, and `verify` runs it on the pool's thread executor, so one pool serves any
-number of event loops over a process lifetime. Workers exit on stdin EOF: when the pool closes or
-the parent dies, even while stuck in a check.
+runs in a worker (``python -m arl.rewards.verify_pool SCORER``) that gets JSON lines on stdin and
+answers on stdout (no pickle). ``SCORER`` is the import path of ``score(gold, answer) -> float``,
+`math_verify_score` unless the pool is given another. A worker that overruns its timeout is
+killed and replaced; the call returns 0.0 and counts a timeout. Under the hood the calls are
+blocking pipe I/O on threads: `verify_sync` works from any thread, and `verify` runs it on the
+pool's thread executor, so one pool serves any number of event loops over a process lifetime.
+Workers exit on stdin EOF: when the pool closes or the parent dies, even while stuck in a check.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import importlib
 import itertools
 import json
 import logging
@@ -23,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -32,11 +34,7 @@ import attrs
 
 log = logging.getLogger(__name__)
 
-# Test hooks, honoured by workers only when ENV_TEST_HOOKS=1 is in their environment.
-ENV_TEST_HOOKS = "ARL_VERIFY_TEST_HOOKS"
-TEST_SLEEP_GOLD = "__arl_test_sleep__"  # the worker hangs (a check that never ends)
-TEST_RAISE_GOLD = "__arl_test_raise__"  # the check raises
-TEST_EXIT_GOLD = "__arl_test_exit__"  # the worker dies mid-request
+DEFAULT_SCORER = "arl.rewards.verify_pool:math_verify_score"
 
 
 class VerifyPoolClosed(RuntimeError):
@@ -64,13 +62,14 @@ class _WorkerDied(Exception):
 class _Worker:
     """One worker process and the parent's end of its pipes."""
 
-    def __init__(self, extra_env: Mapping[str, str]) -> None:
-        env = {**os.environ, **extra_env}
+    def __init__(self, scorer: str) -> None:
+        self.scorer = scorer
+        env = dict(os.environ)
         # The child must import this very arl, also when it is not installed (PYTHONPATH runs).
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "arl.rewards.verify_pool"],
+            [sys.executable, "-m", "arl.rewards.verify_pool", scorer],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -90,7 +89,8 @@ class _Worker:
         except (TimeoutError, _WorkerDied) as exc:
             raise VerifyWorkerError(
                 f"verify worker pid {self.proc.pid} did not start within {timeout:.0f} s "
-                f"({type(exc).__name__}); check that math-verify imports in {sys.executable}"
+                f"({type(exc).__name__}); check that math-verify and the scorer {self.scorer} "
+                f"import in {sys.executable}"
             ) from exc
         if not hello.get("ready"):
             raise VerifyWorkerError(f"verify worker sent {hello!r} instead of its ready line")
@@ -137,21 +137,23 @@ class VerifyPool:
 
     ``await pool.verify(gold, answer)`` or ``pool.verify_sync(...)`` returns 1.0 if the answer
     equals the gold, else 0.0 (also on timeout or error, counted in `stats`). Workers start on
-    first use; `close()`/`aclose()` or ``async with`` ends them. ``worker_env`` adds
-    environment variables for the workers.
+    first use; `close()`/`aclose()` or ``async with`` ends them. ``scorer`` is the
+    ``module:function`` the workers score with, ``score(gold, answer) -> float``.
     """
 
     def __init__(
         self,
         n_workers: int = 2,
         startup_timeout: float = 120.0,
-        worker_env: Mapping[str, str] | None = None,
+        scorer: str = DEFAULT_SCORER,
     ) -> None:
         if n_workers < 1:
             raise ValueError(f"n_workers={n_workers}: a pool needs at least one worker")
+        if scorer.count(":") != 1 or not all(scorer.split(":")):
+            raise ValueError(f"scorer={scorer!r}: give the import path as 'module:function'")
         self.n_workers = n_workers
         self.startup_timeout = startup_timeout
-        self.worker_env = dict(worker_env or {})
+        self.scorer = scorer
         # A slot holds a live worker or None (spawned on next use); taking one bounds concurrency.
         self._slots: queue.Queue[_Worker | None] = queue.Queue()
         for _ in range(n_workers):
@@ -267,7 +269,7 @@ class VerifyPool:
         with self._lock:
             if self._closed:
                 raise VerifyPoolClosed("the verify pool is closed")
-            worker = _Worker(self.worker_env)
+            worker = _Worker(self.scorer)
             self._live.add(worker)
             return worker
 
@@ -314,16 +316,10 @@ def default_pool() -> VerifyPool:
         return _default
 
 
-def _score(gold: str, answer: str, hooks: bool) -> float:
+def math_verify_score(gold: str, answer: str) -> float:
+    """1.0 if math-verify finds ``answer`` (\\boxed{} preferred) equal to ``gold``, else 0.0."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-    if hooks:
-        if gold == TEST_SLEEP_GOLD:
-            time.sleep(3600)
-        if gold == TEST_RAISE_GOLD:
-            raise RuntimeError("test hook: a check that raises")
-        if gold == TEST_EXIT_GOLD:
-            os._exit(3)
     gold_parsed = parse(
         gold, [LatexExtractionConfig(), ExprExtractionConfig()], parsing_timeout=None
     )
@@ -334,7 +330,12 @@ def _score(gold: str, answer: str, hooks: bool) -> float:
     return 1.0 if verify(gold_parsed, answer_parsed, timeout_seconds=None) else 0.0
 
 
-def _worker_main() -> None:
+def _load_scorer(spec: str) -> Callable[[str, str], float]:
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _worker_main(scorer_spec: str) -> None:
     """Serve JSON-line requests ``{id, gold, answer}`` -> ``{id, result}`` or ``{id, error}``."""
     # Only our replies may reach the protocol pipe: anything else printing goes to stderr.
     proto = os.fdopen(os.dup(1), "wb")
@@ -344,7 +345,7 @@ def _worker_main() -> None:
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     import math_verify  # noqa: F401 - import before saying ready, so startup is not timed as work
 
-    hooks = os.environ.get(ENV_TEST_HOOKS) == "1"
+    score = _load_scorer(scorer_spec)
     requests: queue.SimpleQueue[bytes] = queue.SimpleQueue()
 
     def read_stdin() -> None:
@@ -361,7 +362,7 @@ def _worker_main() -> None:
         try:
             req = json.loads(line)
             req_id = req["id"]
-            reply = {"id": req_id, "result": _score(req["gold"], req["answer"], hooks)}
+            reply = {"id": req_id, "result": float(score(req["gold"], req["answer"]))}
         except Exception as exc:  # noqa: BLE001 - every failure becomes an error reply
             reply = {"id": req_id, "error": f"{type(exc).__name__}: {exc}"}
         proto.write(json.dumps(reply).encode() + b"\n")
@@ -369,4 +370,4 @@ def _worker_main() -> None:
 
 
 if __name__ == "__main__":
-    _worker_main()
+    _worker_main(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_SCORER)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
@@ -16,9 +17,17 @@ def tiny_model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
-def test_three_steps_eta1_weights_synced_versions_recorded(tmp_path, tiny_model):
+def test_three_steps_eta1_weights_synced_versions_recorded(tmp_path, tiny_model, caplog, capsys):
+    caplog.set_level(logging.INFO, logger="arl")
     cfg = tiny_run_config(tmp_path, tiny_model, "stats.tensorboard=true")
     asyncio.run(run(cfg))
+    # The run ending its own nodes is no loss; its last lines say what ran and where it went.
+    assert not [r.getMessage() for r in caplog.records if " lost" in r.getMessage()]
+    out = capsys.readouterr().out
+    assert "done: 3 steps in " in out and "last step: reward " in out
+    for name in ("metrics.jsonl", "tensorboard", "trace.json", "checkpoints"):
+        assert str(cfg.run_path / name) in out
+    assert f"python -m arl.stats.plot {cfg.run_path / 'metrics.jsonl'}" in out
     rows = read_jsonl(cfg.run_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
-import pytest
 import torch
 
 from arl.control.rtensor import RTensor, ShardRef
@@ -14,13 +12,10 @@ from arl.engines.model import resolve_model
 from arl.workflows.base import TRAJECTORY_KEYS
 from tests.support.cluster import local_cluster
 
-GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
 
-
-@pytest.mark.skipif(not GSM8K.is_dir(), reason=f"GSM8K data not found at {GSM8K}")
-def test_16_prompts_x_4_samples_give_64_well_formed_trajectories(tmp_path):
+def test_16_prompts_x_4_samples_give_64_well_formed_trajectories(tmp_path, gsm8k_dir):
     model = resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
-    rows, _ = load_gsm8k(str(GSM8K), "test")
+    rows, _ = load_gsm8k(str(gsm8k_dir), "test")
 
     async def main():
         async with local_cluster(2, env={"OMP_NUM_THREADS": "2"}) as (ctl, nodes, _):

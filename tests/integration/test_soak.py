@@ -13,8 +13,9 @@ the run logs each node's ``bytes_held`` gauge at the end of every step. The test
   eta + 2 batches of groups can hold (a leak of one group per step would pass it within a few
   dozen steps), and the train rank's is back to 0 after every step.
 
-``ARL_SOAK_REPORT=FILE`` writes the per-step samples and the summary as JSON (the README's
-figures come from it). Run it with ``python3 -m pytest -s -m slow tests/integration/test_soak.py``.
+``ARL_SOAK_REPORT=FILE`` writes the per-step samples and the summary as JSON (the figures in
+docs/reliability.md come from it). Run it with
+``python3 -m pytest -s -m slow tests/integration/test_soak.py``.
 """
 
 from __future__ import annotations

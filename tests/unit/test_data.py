@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,22 +15,15 @@ from arl.data.arith import make_arith
 from arl.data.gsm8k import DatasetError, build_messages, gsm8k_gold, load_gsm8k
 from arl.data.loader import StatefulLoader
 
-GSM8K_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "gsm8k"
-needs_gsm8k = pytest.mark.skipif(
-    not (GSM8K_DIR / "test.jsonl").exists(),
-    reason=f"GSM8K not found at {GSM8K_DIR} (../shared/data/gsm8k from the repo root)",
-)
-
 GOOD = {
     "question": "Tom has 3 apples and buys 1,200 more. How many?",
     "answer": "3+1200\n#### 1,203",
 }
 
 
-@needs_gsm8k
-def test_load_real_gsm8k_splits():
-    train, train_stats = load_gsm8k(str(GSM8K_DIR), "train")
-    test, test_stats = load_gsm8k(str(GSM8K_DIR), "test")
+def test_load_real_gsm8k_splits(gsm8k_dir):
+    train, train_stats = load_gsm8k(str(gsm8k_dir), "train")
+    test, test_stats = load_gsm8k(str(gsm8k_dir), "test")
     assert (len(train), len(test)) == (7473, 1319)
     assert train_stats.skipped == test_stats.skipped == 0
     row = test[0]
@@ -99,8 +96,7 @@ def test_missing_split_file_and_path_errors(tmp_path):
         load_gsm8k(str(tmp_path / "empty"), "train")
 
 
-def test_hub_id_without_datasets_says_to_pass_a_directory(monkeypatch):
-    import importlib.util
+def test_hub_id_without_datasets_names_the_extra_and_a_local_directory(monkeypatch):
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
@@ -108,8 +104,9 @@ def test_hub_id_without_datasets_says_to_pass_a_directory(monkeypatch):
         "find_spec",
         lambda name, *a: None if name == "datasets" else real_find_spec(name, *a),
     )
-    with pytest.raises(DatasetError, match="pass a local directory"):
+    with pytest.raises(DatasetError) as e:
         load_gsm8k("openai/gsm8k", "train")
+    assert "pip install -e '.[gsm8k]'" in str(e.value) and "data.path=DIR" in str(e.value)
 
 
 def test_arith_rows_and_disjoint_splits():
@@ -219,3 +216,37 @@ def test_prompt_over_max_prompt_len_is_a_clear_error_or_truncated(smollm2_tokeni
 def test_row_without_messages_names_its_keys(smollm2_tokenizer):
     with pytest.raises(KeyError, match=r"no 'messages' \(keys: \['answer', 'question'\]\)"):
         _workflow(smollm2_tokenizer, 64, "error").prompt_ids(GOOD)
+
+
+def test_a_hub_id_offline_fails_in_one_line_naming_a_local_copy(tmp_path):
+    """Offline, ``data.path=openai/gsm8k`` says how to point at a local directory instead."""
+    pytest.importorskip("datasets")
+    script = (
+        "from arl.data.gsm8k import DatasetError, load_gsm8k\n"
+        "try:\n    load_gsm8k('openai/gsm8k', 'train')\n"
+        "except DatasetError as e:\n    print(e)\n"
+    )
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HOME": str(tmp_path),  # an empty cache: nothing to fall back on
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    msg = out.stdout.strip()
+    assert out.returncode == 0 and msg, out.stderr[-2000:]
+    assert "\n" not in msg
+    assert "data.path='openai/gsm8k'" in msg and "HF_HUB_OFFLINE is set" in msg
+    assert "data.path=DIR" in msg and "train.jsonl and test.jsonl" in msg
+
+
+def test_a_local_directory_is_read_without_the_hub(tmp_path):
+    (tmp_path / "test.jsonl").write_text(json.dumps(GOOD) + "\n")
+    rows, stats = load_gsm8k(str(tmp_path), "test")
+    assert [r["question"] for r in rows] == [GOOD["question"]] and stats.source.endswith(
+        "test.jsonl"
+    )
+    with pytest.raises(DatasetError, match=r"no train.jsonl in .*splits there: \['test'\]"):
+        load_gsm8k(str(tmp_path), "train")

@@ -62,9 +62,35 @@ def test_recipe_defaults():
     assert (cfg.actor.reward_bias, cfg.actor.reward_scaling) == (-0.5, 10.0)
     assert (cfg.actor.reward_norm_mean, cfg.actor.reward_norm_std) == ("group", "group")
     assert (cfg.actor.adv_norm_mean, cfg.actor.adv_norm_std) == ("batch", "batch")
-    local = REPO.parent / "shared" / "data" / "gsm8k"
-    expected = str(local.resolve()) if local.is_dir() else "openai/gsm8k"
-    assert cfg.data.path == expected
+    assert cfg.data.path == "openai/gsm8k"
+    assert (cfg.experiment.total_train_steps, cfg.data.batch_size) == (3, 2)  # the CPU preset
+
+
+def test_the_cpu_preset_follows_the_placement_plan_and_overrides_win():
+    def steps(*args: str) -> tuple[int, int]:
+        r = launch("recipes/arith.py", "--dry-run", *args)
+        assert r.returncode == 0, r.stderr
+        cfg = from_yaml(_resolved_yaml(r.stdout))
+        return cfg.experiment.total_train_steps, cfg.data.batch_size
+
+    assert steps("cluster.n_gpus=0") == (6, 2)  # no GPU in the plan: recipes/arith.py cpu_preset
+    assert steps("cluster.n_gpus=1") == (20, 16)  # a GPU in the plan: make_config as written
+    assert steps("cluster.n_gpus=0", "experiment.total_train_steps=7") == (7, 2)
+
+
+def test_recipes_import_no_torch():
+    """--help RECIPE stays fast: importing a recipe (and the launcher) leaves torch unimported."""
+    script = (
+        "import sys\n"
+        "from arl.launch import import_recipe\n"
+        "for r in ('arith', 'gsm8k', 'gsm8k_agent'):\n"
+        "    import_recipe(f'recipes/{r}.py').make_config()\n"
+        "print('torch' in sys.modules)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
 
 
 def test_unknown_key_exits_2_with_suggestion_and_no_traceback():
@@ -122,3 +148,10 @@ def test_bad_arguments_exit_2():
     assert r.returncode == 2 and "unknown option --dry-runn" in r.stderr
     r = launch("recipes/gsm8k.py", "--dry-run", "actor.lr")
     assert r.returncode == 2 and "not key=value" in r.stderr
+
+
+def test_missing_data_is_refused_before_any_node_starts(tmp_path):
+    r = launch("recipes/gsm8k.py", f"data.path={tmp_path}", f"experiment.run_dir={tmp_path}")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"error: no train.jsonl in {tmp_path}" in r.stderr
+    assert "joined" not in r.stderr and "Traceback" not in r.stderr  # no node was started

@@ -15,7 +15,8 @@ import pytest
 from arl.rewards import verify_pool as vp
 from arl.rewards.arith import arith_reward
 from arl.rewards.gsm8k import gsm8k_reward
-from arl.rewards.verify_pool import VerifyPool, VerifyPoolClosed
+from arl.rewards.verify_pool import VerifyPool, VerifyPoolClosed, VerifyWorkerError
+from tests.support.verify_scorers import EXIT_GOLD, MISBEHAVING, RAISE_GOLD, SLEEP_GOLD
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -24,8 +25,8 @@ ROW = {"question": "How many?", "answer": "48 / 2 = 24\n24 + 48 = 72\n#### 1,072
 
 @pytest.fixture(scope="module")
 def hook_pool():
-    """A one-worker pool whose worker honours the test hooks."""
-    pool = VerifyPool(n_workers=1, worker_env={vp.ENV_TEST_HOOKS: "1"})
+    """A one-worker pool whose scorer hangs, raises or exits on the special golds."""
+    pool = VerifyPool(n_workers=1, scorer=MISBEHAVING)
     try:
         yield pool
     finally:
@@ -96,7 +97,7 @@ def test_hanging_check_times_out_and_the_worker_is_replaced(hook_pool):
     before = hook_pool.stats
     assert hook_pool.verify_sync("1", "1") == 1.0
     pids_before = hook_pool.worker_pids()
-    assert asyncio.run(hook_pool.verify(vp.TEST_SLEEP_GOLD, "1", timeout=1.0)) == 0.0
+    assert asyncio.run(hook_pool.verify(SLEEP_GOLD, "1", timeout=1.0)) == 0.0
     after = hook_pool.stats
     assert after.timeouts == before.timeouts + 1
     assert after.restarts == before.restarts + 1
@@ -108,20 +109,30 @@ def test_hanging_check_times_out_and_the_worker_is_replaced(hook_pool):
 
 def test_worker_error_and_crash_give_zero_and_are_counted(hook_pool):
     before = hook_pool.stats
-    assert hook_pool.verify_sync(vp.TEST_RAISE_GOLD, "1") == 0.0
-    assert hook_pool.verify_sync(vp.TEST_EXIT_GOLD, "1") == 0.0
+    assert hook_pool.verify_sync(RAISE_GOLD, "1") == 0.0
+    assert hook_pool.verify_sync(EXIT_GOLD, "1") == 0.0
     after = hook_pool.stats
     assert after.errors == before.errors + 2
     assert after.restarts == before.restarts + 1  # only the crash needed a new worker
     assert hook_pool.verify_sync("2", "\\boxed{2}") == 1.0
 
 
-def test_hooks_are_ignored_without_the_env_var():
-    assert os.environ.get(vp.ENV_TEST_HOOKS) is None
+def test_the_default_scorer_has_no_special_golds():
     pool = vp.default_pool()
     before = pool.stats
-    assert pool.verify_sync(vp.TEST_SLEEP_GOLD, "1", timeout=30.0) == 0.0  # a gold that fails
+    assert pool.verify_sync(SLEEP_GOLD, "1", timeout=30.0) == 0.0  # a gold that fails
     assert pool.stats.timeouts == before.timeouts
+
+
+def test_a_scorer_that_does_not_import_is_a_clear_error():
+    with pytest.raises(ValueError, match="'module:function'"):
+        VerifyPool(scorer="no_colon_here")
+    pool = VerifyPool(n_workers=1, scorer="tests.support.no_such_module:score")
+    try:
+        with pytest.raises(VerifyWorkerError, match="tests.support.no_such_module:score"):
+            pool.verify_sync("1", "1")
+    finally:
+        pool.close()
 
 
 def test_close_ends_workers_and_refuses_calls():
