@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import concurrent.futures
 import gc
-import importlib
 import inspect
 import logging
 import os
@@ -34,6 +33,8 @@ from typing import Any
 
 import zmq
 
+from arl.protocol.imports import ImportRefused as ImportRefused  # re-exported for callers
+from arl.protocol.imports import resolve_import
 from arl.wire.codec import (
     Message,
     WireError,
@@ -47,32 +48,6 @@ from arl.wire.sockets import Authenticator, Security, bind_tcp, host_id, make_so
 log = logging.getLogger("arl.node")
 
 DEFAULT_PREFIXES = ("arl.",)
-
-
-class ImportRefused(PermissionError):
-    """An import string outside the node's allowed module prefixes."""
-
-
-def resolve_import(target: str, allowed_prefixes: tuple[str, ...], import_now: bool = True) -> Any:
-    """Import ``pkg.module:Attr`` if ``pkg.module`` is under an allowed prefix.
-
-    With ``import_now=False`` only the check runs (raises `ImportRefused` or ValueError).
-    """
-    module, sep, attr = target.partition(":")
-    if not sep or not module or not attr:
-        raise ValueError(f"import string {target!r} must look like 'package.module:Name'")
-    if not any(module == p.rstrip(".") or module.startswith(p) for p in allowed_prefixes):
-        raise ImportRefused(
-            f"refusing to import {target!r}: module {module!r} is not under the allowed "
-            f"prefixes {list(allowed_prefixes)}; add its prefix with --allow-import "
-            f"(cluster.allowed_import_prefixes)"
-        )
-    if not import_now:
-        return None
-    obj: Any = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def error_payload(exc: BaseException) -> dict:
