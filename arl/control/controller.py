@@ -57,6 +57,14 @@ class NodeLost(RuntimeError):
         super().__init__(f"node {node} was lost{what}: {why or 'no heartbeat'}")
 
 
+class BadReply(RuntimeError):
+    """A node's reply that does not have the shape its call promises (a bug or a hostile peer)."""
+
+    def __init__(self, node: str, method: str, why: str):
+        self.node, self.method = node, method
+        super().__init__(f"node {node} answered {method} with an unexpected result: {why}")
+
+
 class NodeHandle:
     """The controller's view of one node: its hello info, gauges, and a way to call it."""
 
@@ -137,6 +145,7 @@ class Controller:
         self.bytes_in = 0
         self.bytes_out = 0
         self.dropped = 0
+        self.misrouted = 0  # replies refused because another node sent them (also in dropped)
         self._by_identity: dict[bytes, NodeHandle] = {}
         self._pending: dict[int, tuple[asyncio.Future, str, str]] = {}
         self._ids = itertools.count(1)
@@ -306,6 +315,13 @@ class Controller:
             if pending is None:
                 return  # a reply to a call that timed out or was cancelled
             fut, node_id, method = pending
+            if node_id != node.node_id:
+                # Call ids are per controller: only the node that was called may answer.
+                self.misrouted += 1
+                raise WireError(
+                    f"{msg.op} for call {msg.id} ({method}) came from node {node.node_id}, "
+                    f"but that call went to node {node_id}; refused"
+                )
             if fut.done():
                 return
             if msg.op == "ok":

@@ -18,8 +18,8 @@ from typing import Any
 
 import attrs
 
-from arl.control.controller import NodeLost, RemoteError, RemoteObject
-from arl.control.rtensor import RTensor, ShardRef
+from arl.control.controller import BadReply, NodeLost, RemoteError, RemoteObject
+from arl.control.rtensor import RTensor, RTensorError, ShardRef
 from arl.control.staleness import StalenessSemaphore, is_stale
 from arl.data.loader import StatefulLoader
 from arl.stats.trace import Tracer
@@ -52,6 +52,7 @@ class RolloutStats:
     stale_dropped: int = 0
     stale_kept: int = 0
     timed_out: int = 0  # abandoned after rollout.group_timeout (also counted in failed)
+    bad_replies: int = 0  # run_group results of the wrong shape (they stop the run)
 
 
 class RolloutController:
@@ -147,13 +148,13 @@ class RolloutController:
         try:
             with self.tracer.span(worker.node.node_id, "generate", key=key, v=version) as span:
                 info = await worker.run_group(key, row)
-                span["tokens"] = info.get("n_gen_tokens", 0)
+                ref = check_group_report(info, worker.node.node_id, key)
+                span["tokens"] = info["n_gen_tokens"]
             self._consecutive_failures = 0
             self.stats.rejected_samples += int(info.get("failed_samples", 0))
-            if info.get("rejected"):  # the workflow rejected the row: no shard was stored
+            if ref is None:  # the workflow rejected the row: no shard was stored
                 self._reject(key, f"the workflow rejected it: {info['reason']}")
                 return
-            ref = ShardRef.from_meta(worker.node.node_id, info["meta"], info["group_size"])
             if not self._accepts(key, info):
                 await self.free([ref])
                 return
@@ -162,6 +163,10 @@ class RolloutController:
             self.stats.accepted += 1
             result = Finished(ref, info, version)
         except NodeLost as e:
+            self._fail(e)
+        except BadReply as e:  # the node's code and ours disagree, or the peer is hostile
+            self.stats.bad_replies += 1
+            log.error("rollout of %s stopped: %s", key, e)
             self._fail(e)
         except RemoteError as e:
             if e.type_name == "ServerExited":  # the node's inference server died: it is leaving
@@ -184,6 +189,9 @@ class RolloutController:
                         f"{worker.node.node_id}: {e.type_name}: {e.remote_message}"
                     )
                 )
+        except Exception as e:  # a bug here must stop the run with its error, not vanish
+            log.exception("rollout of %s on %s failed", key, worker.node.node_id)
+            self._fail(e)
         finally:
             self._inflight[id(worker)] -= 1
             self._done[index] = result
@@ -297,3 +305,43 @@ class RolloutController:
         self.sem.load_state_dict(state["sem"])
         self._next_index = self._next_take = int(state["next_index"])
         self._accepted_taken = int(state["sem"]["accepted"])
+
+
+_NUMBER = (int, float)
+
+
+def check_group_report(info: Any, node: str, key: str) -> ShardRef | None:
+    """The shard ref of a finished group's report (None for a group the workflow rejected);
+    raises `BadReply` naming what is missing or wrong, so that a reply of the wrong shape
+    fails visibly instead of as a KeyError somewhere later."""
+
+    def bad(why: str) -> BadReply:
+        return BadReply(node, f"rollout.run_group({key!r})", why)
+
+    if not isinstance(info, dict):
+        raise bad(f"expected a map, got {type(info).__name__}")
+    if info.get("key") != key:
+        raise bad(f"it is for group {info.get('key')!r}")
+    if info.get("rejected"):
+        if not isinstance(info.get("reason"), str):
+            raise bad("a rejected group needs a text 'reason'")
+        return None
+    for name, kind in (("group_size", int), ("n_gen_tokens", int), ("min_version", int)):
+        if not isinstance(info.get(name), kind) or isinstance(info.get(name), bool):
+            raise bad(f"{name!r} must be an integer, got {info.get(name)!r}")
+    for name in ("rewards", *(("episode_rewards",) if "episode_rewards" in info else ())):
+        values = info.get(name)
+        if not isinstance(values, list) or not all(isinstance(r, _NUMBER) for r in values):
+            raise bad(f"{name!r} must be a list of numbers")
+    if "data_id" not in info:
+        raise bad("'data_id' is missing")
+    meta = info.get("meta")
+    if not isinstance(meta, dict):
+        raise bad(f"'meta' must be a map, got {type(meta).__name__}")
+    try:
+        ref = ShardRef.from_wire({**meta, "node": node, "group_size": info["group_size"]})
+    except RTensorError as e:
+        raise bad(f"'meta': {e}") from None
+    if ref.key != key:
+        raise bad(f"its shard is {ref.key!r}")
+    return ref
