@@ -562,6 +562,18 @@ def _validation_problems(cfg: Config) -> list[str]:
             )
 
     check("data.path", bool(cfg.data.path), "must name a dataset")
+    try:
+        train_dp = parse_backend(a.backend, "train").dp
+    except ConfigError:
+        train_dp = 1  # reported above
+    # A batch is split by whole prompt groups over the data-parallel train ranks, and a rank
+    # with no group has nothing to train on.
+    check(
+        "data.batch_size",
+        cfg.data.batch_size < 1 or cfg.data.batch_size >= train_dp,
+        f"fewer prompt groups than the {train_dp} train ranks of actor.backend={a.backend}; "
+        f"use data.batch_size >= {train_dp} (a multiple of it balances best) or fewer ranks",
+    )
     positive("data.batch_size", "data.max_prompt_len", "weight_sync.bucket_bytes")
     positive("saver.freq_steps", optional=True)
     positive("recover.freq_steps")
