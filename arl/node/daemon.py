@@ -297,7 +297,7 @@ class NodeDaemon:
             return self.store.free(a["keys"]) if self.store is not None else 0
         if method == "free_port":
             with socket.socket() as s:
-                s.bind((a.get("host", "0.0.0.0"), 0))
+                s.bind((a.get("host", self.data_host), 0))
                 return s.getsockname()[1]
         if method == "destroy":
             obj = self.objects.pop(a["name"], None)
