@@ -126,6 +126,11 @@ class RolloutConfig:
         "seconds one prompt group (generation and reward) may take; a slower one is cancelled on "
         "its node and counted in rollout/timed_out (none: no limit)",
     )
+    stall_log_s: float | None = _f(
+        60.0,
+        "with groups in flight and none finished for this many seconds, log which groups are "
+        "in flight, on which node, for how long (again every as many seconds; none: never)",
+    )
     dtype: str = _f("auto", "inference weight dtype (auto, bfloat16, float16, float32)")
     agent: str = _f(
         "",
@@ -578,7 +583,7 @@ def _validation_problems(cfg: Config) -> list[str]:
     positive("saver.freq_steps", optional=True)
     positive("recover.freq_steps")
     check("recover.retries", cfg.recover.retries >= 0, "must be >= 0 (0: never restart)")
-    positive("rollout.group_timeout", "actor.call_timeout", optional=True)
+    positive("rollout.group_timeout", "actor.call_timeout", "rollout.stall_log_s", optional=True)
     positive("evaluator.freq_steps", "evaluator.max_questions", optional=True)
     positive("evaluator.n_samples")
     check("evaluator.temperature", cfg.evaluator.temperature >= 0, "must be >= 0 (0: greedy)")

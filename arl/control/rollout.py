@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -70,6 +71,7 @@ class RolloutController:
         accept: Callable[[dict], bool] | None = None,
         max_consecutive_failures: int = 16,
         max_consecutive_rejections: int = 256,
+        stall_log_s: float | None = 60.0,
     ):
         if not workers:
             raise ValueError("a RolloutController needs at least one rollout worker")
@@ -95,6 +97,10 @@ class RolloutController:
         self._consecutive_rejections = 0
         self._next_index = 0
         self.run_tag = "g"
+        self.stall_log_s = stall_log_s
+        self._running: dict[str, tuple[str, float]] = {}  # key -> (node, submitted at)
+        self._last_finish = time.monotonic()
+        self._stall_task: asyncio.Task | None = None
         self.tracer = Tracer(None)  # the trainer hands over its own
 
     # ---- lifetime ---------------------------------------------------------------------------
@@ -102,14 +108,41 @@ class RolloutController:
         """Start submitting (idempotent)."""
         if self._loop_task is None:
             self._loop_task = asyncio.create_task(self._submit_loop(), name="arl-rollout-submit")
+        if self._stall_task is None and self.stall_log_s:
+            self._last_finish = time.monotonic()
+            self._stall_task = asyncio.create_task(self._stall_watch(), name="arl-rollout-stall")
 
     async def stop(self) -> None:
         """Stop submitting and cancel the groups in flight."""
-        tasks = [t for t in [self._loop_task, *self._tasks] if t is not None]
+        tasks = [t for t in [self._loop_task, self._stall_task, *self._tasks] if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._loop_task = None
+        self._loop_task = self._stall_task = None
+
+    async def _stall_watch(self) -> None:
+        """Log the groups in flight when none has finished for ``stall_log_s`` (a reward or a
+        tool that never returns would otherwise show only a progress bar that does not move)."""
+        assert self.stall_log_s
+        logged = 0.0
+        while True:
+            await asyncio.sleep(min(self.stall_log_s / 4, 5.0))
+            now = time.monotonic()
+            quiet = now - self._last_finish
+            if not self._running or quiet < self.stall_log_s or now - logged < self.stall_log_s:
+                continue
+            logged = now
+            oldest = sorted(self._running.items(), key=lambda kv: kv[1][1])
+            shown = ", ".join(f"{k} on {n} for {now - t:.0f}s" for k, (n, t) in oldest[:8])
+            more = f" and {len(oldest) - 8} more" if len(oldest) > 8 else ""
+            log.warning(
+                "no prompt group finished for %.0fs (rollout.stall_log_s=%g); %d in flight: %s%s",
+                quiet,
+                self.stall_log_s,
+                len(oldest),
+                shown,
+                more,
+            )
 
     def _fail(self, exc: BaseException) -> None:
         if self._error is None:
@@ -135,6 +168,7 @@ class RolloutController:
             worker = self._least_loaded()
             key = f"{self.run_tag}{index}"
             self._inflight[id(worker)] += 1
+            self._running[key] = (worker.node.node_id, time.monotonic())
             self.stats.submitted += 1
             task = asyncio.create_task(self._run_one(worker, index, key, row, self.sem.version))
             self._tasks.add(task)
@@ -194,6 +228,8 @@ class RolloutController:
             self._fail(e)
         finally:
             self._inflight[id(worker)] -= 1
+            self._running.pop(key, None)
+            self._last_finish = time.monotonic()
             self._done[index] = result
             self._changed.set()
             self.sem.release(accepted)
