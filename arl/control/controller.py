@@ -49,10 +49,14 @@ class RemoteError(RuntimeError):
 
 
 class NodeLost(RuntimeError):
-    """A node stopped answering (or exited) while a call to it was in flight."""
+    """A node stopped answering (or exited) while a call to it was in flight.
 
-    def __init__(self, node: str, doing: str = "", why: str = ""):
-        self.node, self.doing = node, doing
+    ``blocked_in`` names the code that blocked the node's event loop when its watchdog reported
+    one before the heartbeats stopped: a bug that a restart would only repeat.
+    """
+
+    def __init__(self, node: str, doing: str = "", why: str = "", blocked_in: str = ""):
+        self.node, self.doing, self.blocked_in = node, doing, blocked_in
         what = f" while running {doing}" if doing else ""
         super().__init__(f"node {node} was lost{what}: {why or 'no heartbeat'}")
 
@@ -73,6 +77,7 @@ class NodeHandle:
         self.stats: dict = {}
         self.last_seen = time.monotonic()
         self.lost: str = ""
+        self.blocked_in: str = ""  # where its event loop is blocked, from its watchdog
         self._names = itertools.count()
 
     def __repr__(self) -> str:
@@ -239,7 +244,7 @@ class Controller:
         if node is None:
             raise KeyError(f"unknown node {node_id!r}; known: {sorted(self.nodes)}")
         if node.lost:
-            raise NodeLost(node_id, method, node.lost)
+            raise NodeLost(node_id, method, node.lost, node.blocked_in)
         mid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._pending[mid] = (fut, node_id, _describe(method, args))
@@ -307,6 +312,9 @@ class Controller:
         if msg.op == "hello":
             await self._on_hello(identity, msg)
             return
+        if node is None and msg.op == "event" and msg.method == "loop_stalled":
+            self._on_stall_report(identity, msg.args)
+            return
         if node is None:  # counted in dropped by _recv_loop (it was counted twice)
             raise WireError(f"{msg.op!r} from a peer that has not said hello")
         node.last_seen = time.monotonic()
@@ -338,6 +346,7 @@ class Controller:
                     )
                 )
         elif msg.op == "hb":
+            node.blocked_in = ""  # its loop runs again
             if isinstance(msg.args, dict):
                 node.stats = msg.args
         elif msg.op == "event":
@@ -370,6 +379,28 @@ class Controller:
         async with self._node_joined:
             self._node_joined.notify_all()
 
+    def _on_stall_report(self, identity: bytes, report: Any) -> None:
+        """A node's watchdog says that node's event loop is blocked, and where."""
+        from arl.node.daemon import watchdog_identity
+
+        node_id = report.get("node_id") if isinstance(report, dict) else None
+        node = self.nodes.get(node_id) if isinstance(node_id, str) else None
+        if (
+            node is None
+            or identity != watchdog_identity(node.node_id)
+            or report.get("pid") != node.info.get("pid")
+        ):
+            raise WireError("a stall report must come from the watchdog of a node that said hello")
+        node.blocked_in = str(report.get("where", "an unknown place"))
+        log.warning(
+            "node %s: its event loop has been blocked for %ss in %s; blocking code inside an "
+            "async function stops the node (its heartbeats, its other calls)\n%s",
+            node.node_id,
+            report.get("seconds"),
+            node.blocked_in,
+            report.get("stack", ""),
+        )
+
     # ---- liveness ---------------------------------------------------------------------------
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -379,7 +410,14 @@ class Controller:
                 if node.lost:
                     continue
                 if now - node.last_seen > self.heartbeat_timeout:
-                    self._declare_lost(node, f"no heartbeat for {now - node.last_seen:.1f}s")
+                    why = f"no heartbeat for {now - node.last_seen:.1f}s"
+                    if node.blocked_in:
+                        why = (
+                            f"its event loop is blocked in {node.blocked_in} ({why}); code "
+                            "that blocks inside an async function stops the node: run it in a "
+                            "thread (asyncio.to_thread) or make it non-blocking"
+                        )
+                    self._declare_lost(node, why)
                     continue
                 try:
                     await self._send(node.identity, Message("hb", 0, "hb", None))
@@ -397,7 +435,7 @@ class Controller:
         )
         for fut, node_id, method in list(self._pending.values()):
             if node_id == node.node_id and not fut.done():
-                fut.set_exception(NodeLost(node_id, method, why))
+                fut.set_exception(NodeLost(node_id, method, why, node.blocked_in))
         for handler in self._lost_handlers:
             handler(node.node_id, why)
 
