@@ -174,6 +174,7 @@ class Controller:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
             self.address = bind_tcp(self.sock, self.host, self.port)
+            self.auth.watch(self.sock)  # refused peers are logged with their address
         except zmq.ZMQError:  # e.g. the port is taken: end the ZAP thread and the context
             self.auth.stop()
             self.sock.close(0)

@@ -177,6 +177,7 @@ class NodeDaemon:
             max_message_bytes=self.max_message_bytes,
         )
         self.data_addr = bind_tcp(self.data_sock, self.data_host)
+        self.auth.watch(self.data_sock)  # refused peers are logged with their address
         self.sock.connect(self.controller)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
