@@ -547,7 +547,7 @@ def _validation_problems(cfg: Config) -> list[str]:
     n_seqs = cfg.data.batch_size * g.n_samples
     check(
         "actor.ppo_n_minibatches",
-        a.ppo_n_minibatches <= n_seqs,
+        n_seqs < 1 or a.ppo_n_minibatches <= n_seqs,  # n_seqs < 1 is reported below
         f"more minibatches than the {n_seqs} sequences of a step "
         "(data.batch_size x gconfig.n_samples)",
     )
@@ -607,6 +607,8 @@ def import_problem(target: str, prefixes: list[str] | tuple[str, ...]) -> str:
         resolve_import(target, prefixes)
     except ImportRefused as e:
         return str(e).removeprefix(f"refusing to import {target!r}: ")
+    except AttributeError as e:  # raised by resolve_import, naming the missing step
+        return str(e).removeprefix(f"import string {target!r}: ")
     except Exception as e:  # the module itself fails to import, or the name is missing
         return f"cannot be imported: {type(e).__name__}: {e}"
     return ""
