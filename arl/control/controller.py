@@ -8,7 +8,9 @@ loop (several per process are fine)::
         engine = await node.create("arl.engines.hf:HFEngine", model_path)
         out = await engine.agenerate(ids, sampling)
 
-Calls carry a request id that the reply echoes, so any number can be in flight per node.
+Calls carry a request id that the reply echoes, so any number can be in flight per node; a
+reply is accepted only from the node that was called (others are refused, logged and counted in
+``misrouted``).
 Heartbeats go both ways; a node silent for ``heartbeat_timeout`` is lost: its in-flight calls
 fail with `NodeLost` naming the node and the method, and ``on_node_lost`` callbacks run.
 """

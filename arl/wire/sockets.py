@@ -4,7 +4,8 @@ Every run has a secret token. Server sockets (the controller's ROUTER, each node
 ROUTER) check it in the ZAP handshake, so a peer without it is refused before any of its bytes
 reach arl's code. Without CURVE the token travels as a ZMQ PLAIN password (authentication only,
 for trusted networks); with CURVE both key pairs are derived from the token, so the link is
-encrypted and the client also verifies the server.
+encrypted and the client also verifies the server. `Authenticator.watch` logs each refused peer
+(wrong or no secret, bytes that are not ZMTP) at WARNING with its address, rate-limited.
 
 `LoopSocket` drives a plain ``zmq.Socket`` from the running asyncio loop (plain or uvloop): it
 reads and writes with ``NOBLOCK`` directly and waits on the socket's FD only when an operation
