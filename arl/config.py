@@ -17,6 +17,8 @@ import attrs
 import cattrs
 import yaml
 
+from arl.protocol.imports import ImportRefused, resolve_import, split_target, under_prefix
+
 MiB = 2**20
 
 
@@ -123,6 +125,11 @@ class RolloutConfig:
         3600.0,
         "seconds one prompt group (generation and reward) may take; a slower one is cancelled on "
         "its node and counted in rollout/timed_out (none: no limit)",
+    )
+    stall_log_s: float | None = _f(
+        60.0,
+        "with groups in flight and none finished for this many seconds, log which groups are "
+        "in flight, on which node, for how long (again every as many seconds; none: never)",
     )
     dtype: str = _f("auto", "inference weight dtype (auto, bfloat16, float16, float32)")
     agent: str = _f(
@@ -419,6 +426,9 @@ def parse_backend(s: str, role: Literal["rollout", "train"] | None = None) -> Ba
 # Validation
 
 
+_PREFIX = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\.?")
+
+
 def _validation_problems(cfg: Config) -> list[str]:
     problems: list[str] = []
 
@@ -461,8 +471,8 @@ def _validation_problems(cfg: Config) -> list[str]:
     prefixes = cfg.cluster.allowed_import_prefixes
     check(
         "cluster.allowed_import_prefixes",
-        bool(prefixes) and all(prefixes),
-        "needs at least one prefix, none empty",
+        bool(prefixes) and all(_PREFIX.fullmatch(p) for p in prefixes),
+        "needs at least one prefix, each a dotted module name such as arl or myorg.rl",
     )
     positive("cluster.cpu_threads_per_node", optional=True)
     positive("cluster.ray_rollout_cpus", "cluster.ray_train_cpus", "cluster.ray_placement_timeout")
@@ -482,24 +492,15 @@ def _validation_problems(cfg: Config) -> list[str]:
 
     positive("rollout.max_concurrent_rollouts", optional=True)
     check("rollout.max_head_offpolicyness", cfg.rollout.max_head_offpolicyness >= 0, "must be >= 0")
-    for key in ("rollout.workflow", "rollout.reward", "data.loader"):
-        mod, _, attr = get_key(cfg, key).partition(":")
-        check(key, bool(mod and attr), "must be an import path module:attribute")
-        check(
-            key,
-            not (mod and attr) or import_allowed(mod, prefixes),
-            f"module {mod!r} is not under cluster.allowed_import_prefixes={prefixes}; add its "
-            "prefix there (nodes and the launcher import only from those)",
-        )
+    optional = ("rollout.agent", "rollout.filter")  # empty: not used
+    for key in ("rollout.workflow", "rollout.reward", "data.loader", *optional):
+        target = get_key(cfg, key)
+        if key in optional and not target:
+            continue
+        why = import_problem(target, prefixes)
+        if why:
+            problems.append(f"{key}={_show(target)}: {why}")
     positive("rollout.server_start_timeout")
-    for key in ("rollout.agent", "rollout.filter"):
-        mod, _, attr = get_key(cfg, key).partition(":")
-        check(key, not mod or bool(attr), "must be an import path module:attribute (or empty)")
-        check(
-            key,
-            not mod or import_allowed(mod, prefixes),
-            f"module {mod!r} is not under cluster.allowed_import_prefixes={prefixes}",
-        )
     is_agent = cfg.rollout.workflow.endswith(":AgentWorkflow")
     check(
         "rollout.agent",
@@ -546,7 +547,7 @@ def _validation_problems(cfg: Config) -> list[str]:
     n_seqs = cfg.data.batch_size * g.n_samples
     check(
         "actor.ppo_n_minibatches",
-        a.ppo_n_minibatches <= n_seqs,
+        n_seqs < 1 or a.ppo_n_minibatches <= n_seqs,  # n_seqs < 1 is reported below
         f"more minibatches than the {n_seqs} sequences of a step "
         "(data.batch_size x gconfig.n_samples)",
     )
@@ -566,21 +567,51 @@ def _validation_problems(cfg: Config) -> list[str]:
             )
 
     check("data.path", bool(cfg.data.path), "must name a dataset")
+    try:
+        train_dp = parse_backend(a.backend, "train").dp
+    except ConfigError:
+        train_dp = 1  # reported above
+    # A batch is split by whole prompt groups over the data-parallel train ranks, and a rank
+    # with no group has nothing to train on.
+    check(
+        "data.batch_size",
+        cfg.data.batch_size < 1 or cfg.data.batch_size >= train_dp,
+        f"fewer prompt groups than the {train_dp} train ranks of actor.backend={a.backend}; "
+        f"use data.batch_size >= {train_dp} (a multiple of it balances best) or fewer ranks",
+    )
     positive("data.batch_size", "data.max_prompt_len", "weight_sync.bucket_bytes")
     positive("saver.freq_steps", optional=True)
     positive("recover.freq_steps")
     check("recover.retries", cfg.recover.retries >= 0, "must be >= 0 (0: never restart)")
-    positive("rollout.group_timeout", "actor.call_timeout", optional=True)
+    positive("rollout.group_timeout", "actor.call_timeout", "rollout.stall_log_s", optional=True)
     positive("evaluator.freq_steps", "evaluator.max_questions", optional=True)
     positive("evaluator.n_samples")
     check("evaluator.temperature", cfg.evaluator.temperature >= 0, "must be >= 0 (0: greedy)")
     return problems
 
 
-def import_allowed(module: str, prefixes: list[str] | tuple[str, ...]) -> bool:
-    """Whether ``module`` may be imported under ``prefixes`` (the rule of the node daemon's
-    `resolve_import`, checked here without importing anything)."""
-    return any(module == p.rstrip(".") or module.startswith(p) for p in prefixes)
+def import_problem(target: str, prefixes: list[str] | tuple[str, ...]) -> str:
+    """Why ``target`` may not be used under ``prefixes`` ("" when it may), by the import rule
+    that nodes apply too (`arl.protocol.imports`). A module under a prefix is imported here,
+    so that an attribute walking out of it is refused before any node starts."""
+    try:
+        module, _ = split_target(target)
+    except ValueError:
+        return "must be an import path module:attribute (dotted identifiers)"
+    if not under_prefix(module, prefixes):
+        return (
+            f"module {module!r} is not under cluster.allowed_import_prefixes={list(prefixes)}; "
+            "add its prefix there (nodes and the launcher import only from those)"
+        )
+    try:
+        resolve_import(target, prefixes)
+    except ImportRefused as e:
+        return str(e).removeprefix(f"refusing to import {target!r}: ")
+    except AttributeError as e:  # raised by resolve_import, naming the missing step
+        return str(e).removeprefix(f"import string {target!r}: ")
+    except Exception as e:  # the module itself fails to import, or the name is missing
+        return f"cannot be imported: {type(e).__name__}: {e}"
+    return ""
 
 
 def _show(value: Any, quote: bool = True) -> str:

@@ -137,12 +137,15 @@ def _run(cfg: Config) -> int:
 def recoverable(exc: BaseException) -> bool:
     """Whether a fresh cluster may get past ``exc``: a node that died, stopped answering, or
     hung in a call is worth a restart; an exception raised by code (a bug, bad data, a full
-    disk) would only happen again."""
+    disk), or a node whose event loop code blocked (its watchdog named it), would only happen
+    again."""
     from arl.control.controller import NodeLost
     from arl.trainer import CallTimeout
 
     seen: BaseException | None = exc
     while seen is not None:
+        if isinstance(seen, NodeLost) and seen.blocked_in:  # code blocked its event loop
+            return False
         if isinstance(seen, NodeLost | CallTimeout):
             return True
         if getattr(seen, "type_name", "") == "ServerExited":  # a node's inference server died

@@ -180,6 +180,7 @@ class PPOTrainer:
             stale_policy=cfg.rollout.stale_sample_policy,
             accept=self._filter(),
             max_consecutive_rejections=cfg.rollout.max_consecutive_rejections,
+            stall_log_s=cfg.rollout.stall_log_s,
         )
         self.weight_sync = self._make_weight_sync()
         self.rollout.tracer = self.tracer

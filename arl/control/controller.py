@@ -8,7 +8,9 @@ loop (several per process are fine)::
         engine = await node.create("arl.engines.hf:HFEngine", model_path)
         out = await engine.agenerate(ids, sampling)
 
-Calls carry a request id that the reply echoes, so any number can be in flight per node.
+Calls carry a request id that the reply echoes, so any number can be in flight per node; a
+reply is accepted only from the node that was called (others are refused, logged and counted in
+``misrouted``).
 Heartbeats go both ways; a node silent for ``heartbeat_timeout`` is lost: its in-flight calls
 fail with `NodeLost` naming the node and the method, and ``on_node_lost`` callbacks run.
 """
@@ -49,12 +51,24 @@ class RemoteError(RuntimeError):
 
 
 class NodeLost(RuntimeError):
-    """A node stopped answering (or exited) while a call to it was in flight."""
+    """A node stopped answering (or exited) while a call to it was in flight.
 
-    def __init__(self, node: str, doing: str = "", why: str = ""):
-        self.node, self.doing = node, doing
+    ``blocked_in`` names the code that blocked the node's event loop when its watchdog reported
+    one before the heartbeats stopped: a bug that a restart would only repeat.
+    """
+
+    def __init__(self, node: str, doing: str = "", why: str = "", blocked_in: str = ""):
+        self.node, self.doing, self.blocked_in = node, doing, blocked_in
         what = f" while running {doing}" if doing else ""
         super().__init__(f"node {node} was lost{what}: {why or 'no heartbeat'}")
+
+
+class BadReply(RuntimeError):
+    """A node's reply that does not have the shape its call promises (a bug or a hostile peer)."""
+
+    def __init__(self, node: str, method: str, why: str):
+        self.node, self.method = node, method
+        super().__init__(f"node {node} answered {method} with an unexpected result: {why}")
 
 
 class NodeHandle:
@@ -65,6 +79,7 @@ class NodeHandle:
         self.stats: dict = {}
         self.last_seen = time.monotonic()
         self.lost: str = ""
+        self.blocked_in: str = ""  # where its event loop is blocked, from its watchdog
         self._names = itertools.count()
 
     def __repr__(self) -> str:
@@ -137,6 +152,7 @@ class Controller:
         self.bytes_in = 0
         self.bytes_out = 0
         self.dropped = 0
+        self.misrouted = 0  # replies refused because another node sent them (also in dropped)
         self._by_identity: dict[bytes, NodeHandle] = {}
         self._pending: dict[int, tuple[asyncio.Future, str, str]] = {}
         self._ids = itertools.count(1)
@@ -161,6 +177,7 @@ class Controller:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
             self.address = bind_tcp(self.sock, self.host, self.port)
+            self.auth.watch(self.sock)  # refused peers are logged with their address
         except zmq.ZMQError:  # e.g. the port is taken: end the ZAP thread and the context
             self.auth.stop()
             self.sock.close(0)
@@ -235,7 +252,7 @@ class Controller:
         if node is None:
             raise KeyError(f"unknown node {node_id!r}; known: {sorted(self.nodes)}")
         if node.lost:
-            raise NodeLost(node_id, method, node.lost)
+            raise NodeLost(node_id, method, node.lost, node.blocked_in)
         mid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._pending[mid] = (fut, node_id, _describe(method, args))
@@ -303,6 +320,9 @@ class Controller:
         if msg.op == "hello":
             await self._on_hello(identity, msg)
             return
+        if node is None and msg.op == "event" and msg.method == "loop_stalled":
+            self._on_stall_report(identity, msg.args)
+            return
         if node is None:  # counted in dropped by _recv_loop (it was counted twice)
             raise WireError(f"{msg.op!r} from a peer that has not said hello")
         node.last_seen = time.monotonic()
@@ -311,6 +331,13 @@ class Controller:
             if pending is None:
                 return  # a reply to a call that timed out or was cancelled
             fut, node_id, method = pending
+            if node_id != node.node_id:
+                # Call ids are per controller: only the node that was called may answer.
+                self.misrouted += 1
+                raise WireError(
+                    f"{msg.op} for call {msg.id} ({method}) came from node {node.node_id}, "
+                    f"but that call went to node {node_id}; refused"
+                )
             if fut.done():
                 return
             if msg.op == "ok":
@@ -327,6 +354,7 @@ class Controller:
                     )
                 )
         elif msg.op == "hb":
+            node.blocked_in = ""  # its loop runs again
             if isinstance(msg.args, dict):
                 node.stats = msg.args
         elif msg.op == "event":
@@ -359,6 +387,28 @@ class Controller:
         async with self._node_joined:
             self._node_joined.notify_all()
 
+    def _on_stall_report(self, identity: bytes, report: Any) -> None:
+        """A node's watchdog says that node's event loop is blocked, and where."""
+        from arl.node.daemon import watchdog_identity
+
+        node_id = report.get("node_id") if isinstance(report, dict) else None
+        node = self.nodes.get(node_id) if isinstance(node_id, str) else None
+        if (
+            node is None
+            or identity != watchdog_identity(node.node_id)
+            or report.get("pid") != node.info.get("pid")
+        ):
+            raise WireError("a stall report must come from the watchdog of a node that said hello")
+        node.blocked_in = str(report.get("where", "an unknown place"))
+        log.warning(
+            "node %s: its event loop has been blocked for %ss in %s; blocking code inside an "
+            "async function stops the node (its heartbeats, its other calls)\n%s",
+            node.node_id,
+            report.get("seconds"),
+            node.blocked_in,
+            report.get("stack", ""),
+        )
+
     # ---- liveness ---------------------------------------------------------------------------
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -368,7 +418,14 @@ class Controller:
                 if node.lost:
                     continue
                 if now - node.last_seen > self.heartbeat_timeout:
-                    self._declare_lost(node, f"no heartbeat for {now - node.last_seen:.1f}s")
+                    why = f"no heartbeat for {now - node.last_seen:.1f}s"
+                    if node.blocked_in:
+                        why = (
+                            f"its event loop is blocked in {node.blocked_in} ({why}); code "
+                            "that blocks inside an async function stops the node: run it in a "
+                            "thread (asyncio.to_thread) or make it non-blocking"
+                        )
+                    self._declare_lost(node, why)
                     continue
                 try:
                     await self._send(node.identity, Message("hb", 0, "hb", None))
@@ -388,7 +445,7 @@ class Controller:
             )
         for fut, node_id, method in list(self._pending.values()):
             if node_id == node.node_id and not fut.done():
-                fut.set_exception(NodeLost(node_id, method, why))
+                fut.set_exception(NodeLost(node_id, method, why, node.blocked_in))
         for handler in self._lost_handlers:
             handler(node.node_id, why)
 

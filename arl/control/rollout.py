@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
 
-from arl.control.controller import NodeLost, RemoteError, RemoteObject
-from arl.control.rtensor import RTensor, ShardRef
+from arl.control.controller import BadReply, NodeLost, RemoteError, RemoteObject
+from arl.control.rtensor import RTensor, RTensorError, ShardRef
 from arl.control.staleness import StalenessSemaphore, is_stale
 from arl.data.loader import StatefulLoader
 from arl.stats.trace import Tracer
@@ -52,6 +53,7 @@ class RolloutStats:
     stale_dropped: int = 0
     stale_kept: int = 0
     timed_out: int = 0  # abandoned after rollout.group_timeout (also counted in failed)
+    bad_replies: int = 0  # run_group results of the wrong shape (they stop the run)
 
 
 class RolloutController:
@@ -69,6 +71,7 @@ class RolloutController:
         accept: Callable[[dict], bool] | None = None,
         max_consecutive_failures: int = 16,
         max_consecutive_rejections: int = 256,
+        stall_log_s: float | None = 60.0,
     ):
         if not workers:
             raise ValueError("a RolloutController needs at least one rollout worker")
@@ -94,6 +97,10 @@ class RolloutController:
         self._consecutive_rejections = 0
         self._next_index = 0
         self.run_tag = "g"
+        self.stall_log_s = stall_log_s
+        self._running: dict[str, tuple[str, float]] = {}  # key -> (node, submitted at)
+        self._last_finish = time.monotonic()
+        self._stall_task: asyncio.Task | None = None
         self.tracer = Tracer(None)  # the trainer hands over its own
 
     # ---- lifetime ---------------------------------------------------------------------------
@@ -101,14 +108,41 @@ class RolloutController:
         """Start submitting (idempotent)."""
         if self._loop_task is None:
             self._loop_task = asyncio.create_task(self._submit_loop(), name="arl-rollout-submit")
+        if self._stall_task is None and self.stall_log_s:
+            self._last_finish = time.monotonic()
+            self._stall_task = asyncio.create_task(self._stall_watch(), name="arl-rollout-stall")
 
     async def stop(self) -> None:
         """Stop submitting and cancel the groups in flight."""
-        tasks = [t for t in [self._loop_task, *self._tasks] if t is not None]
+        tasks = [t for t in [self._loop_task, self._stall_task, *self._tasks] if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._loop_task = None
+        self._loop_task = self._stall_task = None
+
+    async def _stall_watch(self) -> None:
+        """Log the groups in flight when none has finished for ``stall_log_s`` (a reward or a
+        tool that never returns would otherwise show only a progress bar that does not move)."""
+        assert self.stall_log_s
+        logged = 0.0
+        while True:
+            await asyncio.sleep(min(self.stall_log_s / 4, 5.0))
+            now = time.monotonic()
+            quiet = now - self._last_finish
+            if not self._running or quiet < self.stall_log_s or now - logged < self.stall_log_s:
+                continue
+            logged = now
+            oldest = sorted(self._running.items(), key=lambda kv: kv[1][1])
+            shown = ", ".join(f"{k} on {n} for {now - t:.0f}s" for k, (n, t) in oldest[:8])
+            more = f" and {len(oldest) - 8} more" if len(oldest) > 8 else ""
+            log.warning(
+                "no prompt group finished for %.0fs (rollout.stall_log_s=%g); %d in flight: %s%s",
+                quiet,
+                self.stall_log_s,
+                len(oldest),
+                shown,
+                more,
+            )
 
     def _fail(self, exc: BaseException) -> None:
         if self._error is None:
@@ -134,6 +168,7 @@ class RolloutController:
             worker = self._least_loaded()
             key = f"{self.run_tag}{index}"
             self._inflight[id(worker)] += 1
+            self._running[key] = (worker.node.node_id, time.monotonic())
             self.stats.submitted += 1
             task = asyncio.create_task(self._run_one(worker, index, key, row, self.sem.version))
             self._tasks.add(task)
@@ -147,13 +182,13 @@ class RolloutController:
         try:
             with self.tracer.span(worker.node.node_id, "generate", key=key, v=version) as span:
                 info = await worker.run_group(key, row)
-                span["tokens"] = info.get("n_gen_tokens", 0)
+                ref = check_group_report(info, worker.node.node_id, key)
+                span["tokens"] = info["n_gen_tokens"]
             self._consecutive_failures = 0
             self.stats.rejected_samples += int(info.get("failed_samples", 0))
-            if info.get("rejected"):  # the workflow rejected the row: no shard was stored
+            if ref is None:  # the workflow rejected the row: no shard was stored
                 self._reject(key, f"the workflow rejected it: {info['reason']}")
                 return
-            ref = ShardRef.from_meta(worker.node.node_id, info["meta"], info["group_size"])
             if not self._accepts(key, info):
                 await self.free([ref])
                 return
@@ -162,6 +197,10 @@ class RolloutController:
             self.stats.accepted += 1
             result = Finished(ref, info, version)
         except NodeLost as e:
+            self._fail(e)
+        except BadReply as e:  # the node's code and ours disagree, or the peer is hostile
+            self.stats.bad_replies += 1
+            log.error("rollout of %s stopped: %s", key, e)
             self._fail(e)
         except RemoteError as e:
             if e.type_name == "ServerExited":  # the node's inference server died: it is leaving
@@ -184,8 +223,13 @@ class RolloutController:
                         f"{worker.node.node_id}: {e.type_name}: {e.remote_message}"
                     )
                 )
+        except Exception as e:  # a bug here must stop the run with its error, not vanish
+            log.exception("rollout of %s on %s failed", key, worker.node.node_id)
+            self._fail(e)
         finally:
             self._inflight[id(worker)] -= 1
+            self._running.pop(key, None)
+            self._last_finish = time.monotonic()
             self._done[index] = result
             self._changed.set()
             self.sem.release(accepted)
@@ -297,3 +341,43 @@ class RolloutController:
         self.sem.load_state_dict(state["sem"])
         self._next_index = self._next_take = int(state["next_index"])
         self._accepted_taken = int(state["sem"]["accepted"])
+
+
+_NUMBER = (int, float)
+
+
+def check_group_report(info: Any, node: str, key: str) -> ShardRef | None:
+    """The shard ref of a finished group's report (None for a group the workflow rejected);
+    raises `BadReply` naming what is missing or wrong, so that a reply of the wrong shape
+    fails visibly instead of as a KeyError somewhere later."""
+
+    def bad(why: str) -> BadReply:
+        return BadReply(node, f"rollout.run_group({key!r})", why)
+
+    if not isinstance(info, dict):
+        raise bad(f"expected a map, got {type(info).__name__}")
+    if info.get("key") != key:
+        raise bad(f"it is for group {info.get('key')!r}")
+    if info.get("rejected"):
+        if not isinstance(info.get("reason"), str):
+            raise bad("a rejected group needs a text 'reason'")
+        return None
+    for name, kind in (("group_size", int), ("n_gen_tokens", int), ("min_version", int)):
+        if not isinstance(info.get(name), kind) or isinstance(info.get(name), bool):
+            raise bad(f"{name!r} must be an integer, got {info.get(name)!r}")
+    for name in ("rewards", *(("episode_rewards",) if "episode_rewards" in info else ())):
+        values = info.get(name)
+        if not isinstance(values, list) or not all(isinstance(r, _NUMBER) for r in values):
+            raise bad(f"{name!r} must be a list of numbers")
+    if "data_id" not in info:
+        raise bad("'data_id' is missing")
+    meta = info.get("meta")
+    if not isinstance(meta, dict):
+        raise bad(f"'meta' must be a map, got {type(meta).__name__}")
+    try:
+        ref = ShardRef.from_wire({**meta, "node": node, "group_size": info["group_size"]})
+    except RTensorError as e:
+        raise bad(f"'meta': {e}") from None
+    if ref.key != key:
+        raise bad(f"its shard is {ref.key!r}")
+    return ref

@@ -67,7 +67,8 @@ def load_gsm8k(
         if not file.is_file():
             found = sorted(p.stem for p in local.glob("*.jsonl"))
             raise DatasetError(f"no {file.name} in {local} (splits there: {found or 'none'})")
-        with open(file, encoding="utf-8") as fh:
+        # Undecodable bytes become a bad row of their own line, not an error for the whole file.
+        with open(file, encoding="utf-8", errors="surrogateescape") as fh:
             return _validate(_jsonl_records(fh), str(file), on_bad_row)
     if local.exists():
         raise DatasetError(f"{path} is a file; pass the directory that holds {split}.jsonl")
@@ -77,6 +78,12 @@ def load_gsm8k(
 def _jsonl_records(lines: Iterable[str]) -> Iterable[tuple[int, Any]]:
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
+            continue
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError as exc:  # an undecodable byte, escaped by surrogateescape
+            byte = ord(line[exc.start]) - 0xDC00
+            yield lineno, _BadJson(f"not UTF-8: byte 0x{byte:02x} at column {exc.start + 1}")
             continue
         try:
             yield lineno, json.loads(line)

@@ -17,6 +17,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -41,6 +42,7 @@ from arl.algo.packing import (
 from arl.algo.rewards import normalize_rewards, transform_rewards
 from arl.algo.schedule import lr_at
 from arl.config import ActorConfig, ConfigError
+from arl.wire.rendezvous import split_tcp_url, tcp_store
 
 log = logging.getLogger(__name__)
 
@@ -176,9 +178,10 @@ class FSDPEngine:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend=backend, init_method=init_method, rank=rank, world_size=world_size
-        )
+        # Rank 0's store listens on the rendezvous host only (torch's own would take every one).
+        host, port = split_tcp_url(init_method)
+        store = tcp_store(host, port, world_size, rank == 0, default_pg_timeout)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size)
         torch.manual_seed(seed)
         self.mesh = init_device_mesh(self.device.type, (world_size,))
         self.compute_dtype = _compute_dtype(cfg, self.device)

@@ -20,6 +20,7 @@ import attrs
 import torch
 
 from arl.wire.codec import dtype_name, parse_dtype
+from arl.wire.rendezvous import tcp_store
 
 # Byte alignment of every tensor in a bucket: any dtype view of a slice is then aligned, and
 # CUDA copies run on aligned addresses.
@@ -214,9 +215,7 @@ class BroadcastGroup:
             raise ValueError(f"rank {rank} is outside a group of {world_size}")
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.world_size, self.backend = rank, world_size, backend
-        self.store = dist.TCPStore(
-            host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
-        )
+        self.store = tcp_store(host, port, world_size, rank == 0, timeout)  # binds host only
         if backend == "nccl":
             if not hasattr(dist, "ProcessGroupNCCL"):
                 raise WeightTransferError(

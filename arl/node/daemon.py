@@ -13,6 +13,11 @@ It connects a DEALER to the controller's ROUTER, says hello, and then serves cal
 
 It exits on ``bye``, on SIGTERM/SIGINT, and when the controller has been silent for
 ``heartbeat_timeout`` seconds.
+
+A watchdog thread notices when the node's event loop has not run for a quarter of
+``heartbeat_timeout`` (a blocking call inside ``async def``, e.g. in a reward): it logs the loop
+thread's stack and reports the blocking frame to the controller over a socket of its own, so a
+run that loses the node names that code instead of a missing heartbeat.
 """
 
 from __future__ import annotations
@@ -21,19 +26,22 @@ import argparse
 import asyncio
 import concurrent.futures
 import gc
-import importlib
 import inspect
 import logging
 import os
 import signal
 import socket
 import sys
+import sysconfig
+import threading
 import time
 import traceback
 from typing import Any
 
 import zmq
 
+from arl.protocol.imports import ImportRefused as ImportRefused  # re-exported for callers
+from arl.protocol.imports import resolve_import
 from arl.wire.codec import (
     Message,
     WireError,
@@ -49,30 +57,34 @@ log = logging.getLogger("arl.node")
 DEFAULT_PREFIXES = ("arl.",)
 
 
-class ImportRefused(PermissionError):
-    """An import string outside the node's allowed module prefixes."""
+_TICK_S = 0.1
+_LIBRARY_DIRS = tuple(
+    {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+)
 
 
-def resolve_import(target: str, allowed_prefixes: tuple[str, ...], import_now: bool = True) -> Any:
-    """Import ``pkg.module:Attr`` if ``pkg.module`` is under an allowed prefix.
+def watchdog_identity(node_id: str) -> bytes:
+    """The routing id of a node's watchdog socket (the controller checks it)."""
+    return f"{node_id}/watchdog".encode()
 
-    With ``import_now=False`` only the check runs (raises `ImportRefused` or ValueError).
-    """
-    module, sep, attr = target.partition(":")
-    if not sep or not module or not attr:
-        raise ValueError(f"import string {target!r} must look like 'package.module:Name'")
-    if not any(module == p.rstrip(".") or module.startswith(p) for p in allowed_prefixes):
-        raise ImportRefused(
-            f"refusing to import {target!r}: module {module!r} is not under the allowed "
-            f"prefixes {list(allowed_prefixes)}; add its prefix with --allow-import "
-            f"(cluster.allowed_import_prefixes)"
-        )
-    if not import_now:
-        return None
-    obj: Any = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
+
+def stall_report(thread_id: int, blocked: float) -> dict:
+    """Where thread ``thread_id`` is now: its innermost frame outside the standard library and
+    installed packages (the code that blocks), and its whole stack."""
+    frame = sys._current_frames().get(thread_id)
+    frames = traceback.extract_stack(frame) if frame is not None else []
+    own = [f for f in frames if not f.filename.startswith(_LIBRARY_DIRS)]
+    top = (own or frames or [None])[-1]
+    where = "an unknown place"
+    if top is not None:
+        where = f"{top.name} at {top.filename}:{top.lineno}"
+        if top.line:
+            where += f" ({top.line.strip()})"
+    return {
+        "seconds": round(blocked, 1),
+        "where": where,
+        "stack": "".join(traceback.format_list(frames)),
+    }
 
 
 def error_payload(exc: BaseException) -> dict:
@@ -116,6 +128,11 @@ class NodeDaemon:
         self.services: list[Any] = []  # objects with async close(), ended with the node
         self.run_id = os.environ.get("ARL_RUN_ID", "arl")
         self.store: Any = None  # the ShardStore, set by the store service
+        # The loop ticks every _TICK_S; the watchdog reports a loop silent for stall_after.
+        self.stall_after = max(4 * _TICK_S, heartbeat_timeout / 4)
+        self._tick = time.monotonic()
+        self._watch_stop = threading.Event()
+        self._watchdog: threading.Thread | None = None
 
     # ---- info -------------------------------------------------------------------------------
     def info(self) -> dict:
@@ -160,6 +177,7 @@ class NodeDaemon:
             max_message_bytes=self.max_message_bytes,
         )
         self.data_addr = bind_tcp(self.data_sock, self.data_host)
+        self.auth.watch(self.data_sock)  # refused peers are logged with their address
         self.sock.connect(self.controller)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -170,6 +188,14 @@ class NodeDaemon:
         await self._start_services()
         recv = asyncio.create_task(self._recv_loop())
         hb = asyncio.create_task(self._heartbeat_loop())
+        tick = asyncio.create_task(self._tick_loop())
+        self._watchdog = threading.Thread(
+            target=self._watch_loop,
+            args=(threading.get_ident(),),
+            name="arl-loop-watchdog",
+            daemon=True,
+        )
+        self._watchdog.start()
         # A task, not awaited here: refused at the handshake, the node has no link and this send
         # never completes; the heartbeat loop's silence check (and SIGTERM) must still end it.
         hello = asyncio.create_task(self._send(Message("hello", 0, "hello", self.info())))
@@ -178,6 +204,7 @@ class NodeDaemon:
         finally:
             recv.cancel()
             hb.cancel()
+            tick.cancel()
             hello.cancel()
             await self._shutdown()
         return self.exit_reason
@@ -211,6 +238,9 @@ class NodeDaemon:
         except Exception:
             pass
         self.engine_thread.shutdown(wait=False, cancel_futures=True)
+        self._watch_stop.set()
+        if self._watchdog is not None:
+            self._watchdog.join(2.0)  # it closes its socket before the context ends
         self.auth.stop()
         self.sock.close(0)
         self.data_sock.close(0)
@@ -251,6 +281,55 @@ class NodeDaemon:
                 )
             except TimeoutError:
                 pass
+
+    # ---- loop watchdog -----------------------------------------------------------------------
+    async def _tick_loop(self) -> None:
+        while True:
+            self._tick = time.monotonic()
+            await asyncio.sleep(_TICK_S)
+
+    def _watch_loop(self, loop_thread: int) -> None:
+        """Watchdog thread: report each stall of the event loop once, with what blocks it."""
+        sock: zmq.Socket | None = None
+        reported = False
+        try:
+            while not self._watch_stop.wait(_TICK_S):
+                blocked = time.monotonic() - self._tick
+                if blocked < self.stall_after:
+                    if reported:
+                        log.warning("node %s: event loop running again", self.node_id)
+                    reported = False
+                    continue
+                if reported:
+                    continue
+                reported = True
+                report = stall_report(loop_thread, blocked)
+                log.warning(
+                    "node %s: event loop blocked for %.1fs in %s\n%s",
+                    self.node_id,
+                    blocked,
+                    report["where"],
+                    report["stack"],
+                )
+                if sock is None:
+                    sock = self._watchdog_socket()
+                report.update(node_id=self.node_id, pid=os.getpid())
+                try:
+                    sock.send_multipart(
+                        encode_message(Message("event", 0, "loop_stalled", report)), zmq.NOBLOCK
+                    )
+                except zmq.ZMQError as e:
+                    log.warning("node %s: stall report not sent: %s", self.node_id, e)
+        finally:
+            if sock is not None:
+                sock.close(linger=1000)
+
+    def _watchdog_socket(self) -> zmq.Socket:
+        """A DEALER of the watchdog's own (the loop's socket is not safe from this thread)."""
+        s = make_socket(self.ctx, zmq.DEALER, self.security, server=False).socket
+        s.setsockopt(zmq.ROUTING_ID, watchdog_identity(self.node_id))
+        s.connect(self.controller)
+        return s
 
     async def _recv_loop(self) -> None:
         while True:
@@ -322,7 +401,7 @@ class NodeDaemon:
             return self.store.free(a["keys"]) if self.store is not None else 0
         if method == "free_port":
             with socket.socket() as s:
-                s.bind((a.get("host", "0.0.0.0"), 0))
+                s.bind((a.get("host", self.data_host), 0))
                 return s.getsockname()[1]
         if method == "destroy":
             obj = self.objects.pop(a["name"], None)

@@ -27,7 +27,7 @@ from arl.engines.weight_transfer import (
     receive_buckets,
     receive_ipc_bucket,
 )
-from arl.node.daemon import ImportRefused, resolve_import
+from arl.protocol.imports import ImportRefused, resolve_import
 from arl.workflows.base import TRAJECTORY_KEYS, EpisodeRejected, group_score
 
 log = logging.getLogger("arl.rollout")

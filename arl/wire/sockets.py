@@ -4,7 +4,8 @@ Every run has a secret token. Server sockets (the controller's ROUTER, each node
 ROUTER) check it in the ZAP handshake, so a peer without it is refused before any of its bytes
 reach arl's code. Without CURVE the token travels as a ZMQ PLAIN password (authentication only,
 for trusted networks); with CURVE both key pairs are derived from the token, so the link is
-encrypted and the client also verifies the server.
+encrypted and the client also verifies the server. `Authenticator.watch` logs each refused peer
+(wrong or no secret, bytes that are not ZMTP) at WARNING with its address, rate-limited.
 
 `LoopSocket` drives a plain ``zmq.Socket`` from the running asyncio loop (plain or uvloop): it
 reads and writes with ``NOBLOCK`` directly and waits on the socket's FD only when an operation
@@ -16,10 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import logging
 import os
 import secrets
 import socket as pysocket
+import threading
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -28,10 +32,13 @@ import attrs
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
+from zmq.utils.monitor import parse_monitor_message
 
 SECRET_ENV = "ARL_SECRET"
 _PLAIN_USER = "arl"
 _ZAP_DOMAIN = "arl"
+
+log = logging.getLogger("arl.wire")
 
 
 class AuthError(RuntimeError):
@@ -111,10 +118,178 @@ class Authenticator:
         else:
             self._auth.configure_plain(_ZAP_DOMAIN, {_PLAIN_USER: security.secret})
         self._auth.start()
+        self._refusals = RefusalLog()
+        self._watchers: list[_RefusalWatcher] = []
+
+    def watch(self, sock: zmq.Socket | LoopSocket) -> None:
+        """Log peers that ``sock`` (a bound server socket) refuses at the handshake: no or wrong
+        secret, or bytes that are not ZMTP, at WARNING with their address (rate-limited)."""
+        raw = sock.socket if isinstance(sock, LoopSocket) else sock
+        watcher = _RefusalWatcher(raw, self._refusals)
+        watcher.start()
+        self._watchers.append(watcher)
 
     def stop(self) -> None:
-        """Stop the ZAP thread (before the context is terminated); idempotent."""
+        """Stop the ZAP and watcher threads (before the context is terminated); idempotent."""
+        for w in self._watchers:
+            w.stop()
+        self._watchers.clear()
         self._auth.stop()
+
+
+class RefusalLog:
+    """WARNING lines for refused peers, at most one per (peer host, reason) per ``window``
+    seconds and ``burst`` in all per window; a key's next line says how many it left out."""
+
+    def __init__(self, window: float = 10.0, burst: int = 10):
+        self.window, self.burst = window, burst
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._left_out: dict[str, int] = {}
+        self._window_start = 0.0
+        self._in_window = 0
+        self.suppressed = 0
+        self.refused = 0
+
+    def note(self, key: str, line: str) -> bool:
+        """Count one refusal (``key``: its host and kind); log ``line`` unless rate-limited."""
+        now = time.monotonic()
+        with self._lock:
+            self.refused += 1
+            if now - self._window_start >= self.window:
+                self._window_start, self._in_window = now, 0
+                if len(self._last) > 4096:  # a scan from many addresses: forget old ones
+                    self._last.clear()
+                    self._left_out.clear()
+            if now - self._last.get(key, -1e9) < self.window or self._in_window >= self.burst:
+                self.suppressed += 1
+                self._left_out[key] = self._left_out.get(key, 0) + 1
+                return False
+            self._last[key] = now
+            self._in_window += 1
+            left_out = self._left_out.pop(key, 0)
+        more = f" ({left_out} more like it not logged)" if left_out else ""
+        log.warning("%s%s", line, more)
+        return True
+
+
+_HANDSHAKE_EVENTS = (
+    zmq.EVENT_ACCEPTED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_NOT_ARL = "no run secret, or not an arl peer"
+
+
+def _failure(kind: int, value: int) -> str:
+    """Why a handshake failed, from its monitor event."""
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return f"wrong run secret (ZAP status {value})"
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return f"{_NOT_ARL} (ZMTP error 0x{value:x})"
+    return f"{_NOT_ARL} ({os.strerror(value)})"
+
+
+_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+)
+
+
+_watch_ids = itertools.count()
+
+
+def _peer_of(fd: int) -> str:
+    """``host:port`` of the peer of a connected socket descriptor ("?" if it is gone)."""
+    try:
+        with pysocket.socket(fileno=os.dup(fd)) as s:
+            host, port = s.getpeername()[:2]
+    except OSError:
+        return "an address already closed"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class _RefusalWatcher(threading.Thread):
+    """Reads a server socket's monitor events and logs the peers refused at the handshake.
+
+    libzmq names the connection (its descriptor) only in ACCEPTED and DISCONNECTED, not in the
+    handshake outcome; an outcome is pinned on a connection when exactly one is waiting for
+    its handshake, otherwise the refusal lists every connection that was waiting.
+    """
+
+    def __init__(self, sock: zmq.Socket, refusals: RefusalLog):
+        super().__init__(name="arl-refusal-watch", daemon=True)
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        # A unique address: pyzmq's get_monitor_socket names it after a descriptor number,
+        # which a closed socket frees for reuse.
+        address = f"inproc://arl-refusals-{next(_watch_ids)}-{id(self)}"
+        sock.monitor(address, _HANDSHAKE_EVENTS)
+        self.mon = sock.context.socket(zmq.PAIR, socket_class=zmq.Socket)
+        self.mon.linger = 0
+        self.mon.connect(address)
+        self.refusals = refusals
+        self._stop_event = threading.Event()
+        self._waiting: dict[int, str] = {}  # descriptor -> peer, handshake outcome not seen
+        self._unpinned = 0  # outcomes seen that could not be pinned on one connection
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(2.0)
+
+    def run(self) -> None:
+        try:
+            while not self._stop_event.is_set():
+                if not self.mon.poll(100):
+                    continue
+                try:
+                    event = parse_monitor_message(self.mon.recv_multipart())
+                except (zmq.ZMQError, ValueError):
+                    return
+                if event["event"] == zmq.EVENT_MONITOR_STOPPED:
+                    return
+                self._on_event(int(event["event"]), int(event["value"]))
+        finally:
+            self.mon.close(0)
+
+    def _refused(self, peers: list[str], why: str) -> None:
+        hosts = {p.rpartition(":")[0] for p in peers}
+        host = hosts.pop() if len(hosts) == 1 else "several"
+        if len(peers) == 1:
+            who = peers[0]
+        else:
+            more = f" and {len(peers) - 4} more" if len(peers) > 4 else ""
+            who = f"one of {', '.join(peers[:4]) or 'unknown'}{more}"
+        line = f"refused a connection from {who} to {self.endpoint}: {why}"
+        self.refusals.note(f"{host} {why.partition(' (')[0]}", line)
+
+    def _on_event(self, kind: int, value: int) -> None:
+        if kind == zmq.EVENT_ACCEPTED:
+            self._waiting[value] = _peer_of(value)
+            return
+        if kind == zmq.EVENT_DISCONNECTED:
+            peer = self._waiting.pop(value, None)
+            if peer is None:
+                return
+            if self._unpinned:  # its outcome may be one of those seen
+                self._unpinned -= 1
+            else:
+                self._refused([peer], "closed during the handshake (not an arl peer?)")
+            return
+        # A handshake outcome.
+        peers = list(self._waiting.values())
+        if kind in _FAILED:
+            self._refused(peers, _failure(kind, value))
+        if len(self._waiting) == 1:
+            self._waiting.clear()
+        else:
+            self._unpinned += 1
+            if self._unpinned >= len(self._waiting):  # every waiting one has its outcome
+                self._waiting.clear()
+                self._unpinned = 0
 
 
 class _CurveAllow:

@@ -71,9 +71,11 @@ def test_validation_names_the_setting_and_allows_an_added_prefix(armed):
     cfg = apply_overrides(Config(), [f"data.loader={MODULE}:load"])
     with pytest.raises(ConfigError, match=r"data\.loader='armed_module:load': module 'armed_mod"):
         cfg.validate()
+    assert not armed.exists()
+    # Allowed, validation resolves it (so an attribute path out of it is refused before launch).
     cfg = apply_overrides(cfg, [f"cluster.allowed_import_prefixes=[arl.,{MODULE}]"])
     cfg.validate()
-    assert not armed.exists()
+    assert armed.read_text() == "imported"
 
 
 def test_load_rows_refuses_before_import_and_imports_when_allowed(armed):
@@ -128,3 +130,73 @@ def test_rollout_node_imports_the_module_when_its_prefix_is_allowed(armed, tmp_p
 
     asyncio.run(main())
     assert armed.read_text() == "imported"
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_launcher_refuses_an_attribute_path_out_of_an_allowed_module(tmp_path, dry_run):
+    """Issue 19: ``arl.control.launcher:shutil.rmtree`` used to delete data.path."""
+    victim = tmp_path / "victim"
+    (victim / "keep").mkdir(parents=True)
+    target = "arl.control.launcher:shutil.rmtree"
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "arl.launch",
+            "recipes/gsm8k.py",
+            f"data.loader={target}",
+            f"data.path={victim}",
+            f"experiment.run_dir={tmp_path / 'runs'}",
+            *(["--dry-run"] if dry_run else []),
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 2, res.stderr[-2000:]
+    line = next(ln for ln in res.stderr.splitlines() if ln.strip().startswith("data.loader"))
+    assert repr(target) in line and "is defined in 'shutil'" in line, line
+    assert (victim / "keep").is_dir()
+    assert not (tmp_path / "runs").exists()  # refused before the run directory or any node
+
+
+def test_launcher_refuses_os_execl_through_an_allowed_module(tmp_path):
+    """``...:os.execl`` with data.path=/usr/bin/touch used to turn the launcher into touch."""
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "arl.launch",
+            "recipes/gsm8k.py",
+            "data.loader=arl.control.launcher:os.execl",
+            "data.path=/usr/bin/touch",
+            f"experiment.run_dir={tmp_path / 'runs'}",
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "'arl.control.launcher:os' is defined in 'os'" in res.stderr
+
+
+def test_node_refuses_an_attribute_path_out_of_an_allowed_module(tmp_path):
+    """``create arl.node.daemon:os.system`` used to run a shell command on the node."""
+    marker = tmp_path / "ran"
+
+    async def main():
+        async with local_cluster(1, allow=("arl.",)) as (_, (node,), _p):
+            with pytest.raises(RemoteError) as info:
+                await node.create("arl.node.daemon:os.system", f"touch {marker}")
+            # The node keeps serving after the refusal.
+            assert (await node.call("ping"))["node_id"] == node.node_id
+            return info.value
+
+    err = asyncio.run(main())
+    assert err.type_name == "ImportRefused", err
+    assert "'arl.node.daemon:os' is defined in 'os'" in err.remote_message
+    assert not marker.exists()

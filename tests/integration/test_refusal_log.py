@@ -1,0 +1,100 @@
+"""Peers refused at the handshake are logged at WARNING with their address (issue 19, item 4).
+
+A real `Controller` (its ROUTER, ZAP thread and refusal watcher) is approached by a peer with a
+wrong secret, one with no secret, and a raw TCP client sending bytes that are not ZMTP; a flood
+of refusals from one address gives one line per kind, not one per connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import zmq
+
+from arl.control.controller import Controller
+from arl.wire.sockets import Security, make_socket, new_secret
+
+
+def _refusals(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.getMessage().startswith("refused a connection from")]
+
+
+async def _wait_for(caplog, n: int, timeout: float = 20.0) -> None:
+    for _ in range(int(timeout / 0.1)):
+        if len(_refusals(caplog)) >= n:
+            return
+        await asyncio.sleep(0.1)
+
+
+def test_wrong_secret_no_secret_and_garbage_are_logged_with_their_address(caplog):
+    caplog.set_level(logging.WARNING, logger="arl.wire")
+
+    async def main() -> str:
+        async with Controller(Security(new_secret())) as ctl:
+            host, port = "127.0.0.1", int(ctl.address.rsplit(":", 1)[1])
+            ctx = zmq.Context()
+            try:
+                wrong = make_socket(ctx, zmq.DEALER, Security("hunter2"), server=False).socket
+                wrong.linger = 0
+                wrong.connect(ctl.address)
+                wrong.send(b"hello?")
+                await _wait_for(caplog, 1)
+                bare = ctx.socket(zmq.DEALER)
+                bare.linger = 0
+                bare.connect(ctl.address)
+                bare.send(b"hello?")
+                await _wait_for(caplog, 2)
+                with socket.create_connection((host, port)) as raw:
+                    raw.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 8)
+                    await _wait_for(caplog, 3)
+                wrong.close(0)
+                bare.close(0)
+            finally:
+                ctx.term()
+            assert not ctl.nodes  # nobody got in
+            return ctl.address
+
+    address = asyncio.run(main())
+    lines = [r.getMessage() for r in _refusals(caplog)]
+    assert all(r.levelno == logging.WARNING for r in _refusals(caplog))
+    assert any(
+        ln.startswith("refused a connection from 127.0.0.1:") and "wrong run secret" in ln
+        for ln in lines
+    ), lines
+    assert any(
+        ln.startswith("refused a connection from 127.0.0.1:") and "no run secret" in ln
+        for ln in lines
+    ), lines
+    assert len(lines) >= 3, lines
+    assert all(f"to {address}: " in ln for ln in lines)
+
+
+def test_a_flood_of_refusals_is_rate_limited(caplog):
+    caplog.set_level(logging.WARNING, logger="arl.wire")
+
+    async def main() -> int:
+        async with Controller(Security(new_secret())) as ctl:
+            ctx = zmq.Context()
+            socks = []
+            try:
+                for _ in range(40):
+                    s = make_socket(ctx, zmq.DEALER, Security("hunter2"), server=False).socket
+                    s.linger = 0
+                    s.connect(ctl.address)
+                    socks.append(s)
+                for _ in range(50):  # let the handshakes fail
+                    await asyncio.sleep(0.1)
+                    if ctl.auth._refusals.refused >= 40:
+                        break
+                return ctl.auth._refusals.refused
+            finally:
+                for s in socks:
+                    s.close(0)
+                ctx.term()
+
+    refused = asyncio.run(main())
+    lines = [r.getMessage() for r in _refusals(caplog)]
+    assert refused >= 40
+    assert 1 <= len(lines) <= 3, lines
