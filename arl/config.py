@@ -43,6 +43,11 @@ class ExperimentConfig:
     name: str = _f("arl", "experiment name; the run directory is run_dir/name/trial")
     trial: str = _f("trial0", "trial name within the experiment")
     run_dir: str = _f("runs", "root directory for runs (config, checkpoints, logs, metrics)")
+    overwrite: bool = _f(
+        False,
+        "replace an earlier run in run_dir/name/trial: its files are moved to "
+        "trial.replaced-<UTC time>/ beside it (without this, a finished run there is refused)",
+    )
     seed: int = _f(1, "random seed for data order, sampling and initialisation")
     total_train_steps: int = _f(3, "number of training steps (policy updates) to run")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = _f("INFO", "logging level")

@@ -1,17 +1,22 @@
 """``python -m arl.launch RECIPE [key=value ...] [--dry-run] [--help]``: run a recipe.
 
 A recipe is a Python file defining ``make_config() -> Config`` and, optionally,
-``cpu_preset(cfg)``, applied when the placement plan has no GPU. Overrides are applied, the
-config is validated and placed before any process starts, the resolved config is saved as
-``config.yaml`` in the run directory, and the training loop runs.
+``cpu_preset(cfg)``, applied when the placement plan has no GPU. Overrides are applied; the
+config is validated and placed, the model and data are checked (`arl.preflight`) and the run
+directory is claimed (`arl.run_dir`: one run at a time, never mixed into a finished run,
+writable) before any process starts; the resolved config is saved as ``config.yaml`` in the run
+directory, and the training loop runs. A user error ends as one ``error: ...`` line and exit
+status 2; SIGTERM stops the run as Ctrl-C does (exit 143, 130).
 """
 
 import asyncio
 import importlib.util
 import logging
+import signal
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from arl.config import Config, ConfigError, apply_overrides, help_text, save_resolved, to_yaml
 from arl.control.placement import NodeSpec, format_plan, plan_placement
@@ -88,9 +93,10 @@ def detect_gpus(cfg: Config) -> int:
     return torch.cuda.device_count()
 
 
-def _run(cfg: Config) -> int:
+def _run(cfg: Config, run_id: str | None = None) -> int:
     """Run the experiment; with ``recover.mode=auto`` restart it from the last recovery
-    checkpoint after a recoverable failure, at most ``recover.retries`` times."""
+    checkpoint after a recoverable failure, at most ``recover.retries`` times (in the same run
+    directory, under the same lock and run id)."""
     from arl.ckpt.recovery import CheckpointError
     from arl.control.controller import NodeLost, RemoteError
     from arl.control.rollout import RolloutFailed
@@ -105,7 +111,7 @@ def _run(cfg: Config) -> int:
     restarts = 0
     while True:
         try:
-            runner(run(cfg))
+            runner(run(cfg, run_id))
             return 0
         except (NodeLost, RolloutFailed, CallTimeout, RemoteError, CheckpointError) as e:
             # The cluster is down by now (every process of the attempt was ended).
@@ -196,17 +202,72 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=cfg.experiment.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    cfg.run_path.mkdir(parents=True, exist_ok=True)
-    saved = save_resolved(cfg, cfg.run_path / "config.yaml")
-    logging.getLogger("arl.launch").info("resolved config saved to %s", saved)
+    from arl.engines.model import ModelResolutionError
+    from arl.preflight import InputError, check_data, check_model
+    from arl.run_dir import RunDirError, claim_run_dir, keep_previous
+
+    stop = _SigtermAsInterrupt()
+    claim = None
     try:
-        return _run(cfg)
-    except (ConfigError, DatasetError) as e:
+        # Everything a user can get wrong is checked before any node starts or any file is
+        # written: the model and data, then the run directory (lock, earlier run, writability).
+        check_model(cfg)
+        check_data(cfg)
+        claim = claim_run_dir(cfg)
+        log = logging.getLogger("arl.launch")
+        if claim.moved_to is not None:
+            log.warning("experiment.overwrite: the earlier run was moved to %s", claim.moved_to)
+        if claim.resume_step is not None:
+            log.info("resuming %s from its step-%d checkpoint", claim.path, claim.resume_step)
+        resolved = to_yaml(cfg)
+        kept = keep_previous(cfg.run_path / "config.yaml", resolved)
+        if kept is not None:
+            log.warning("the config differs from the earlier run's; that one is kept as %s", kept)
+        saved = save_resolved(cfg, cfg.run_path / "config.yaml")
+        log.info("resolved config saved to %s (run id %s)", saved, claim.run_id)
+        return _run(cfg, claim.run_id)
+    except (ConfigError, DatasetError, RunDirError, InputError, ModelResolutionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        resume = ""
+        if cfg.recover.mode == "auto":
+            resume = "; run the same command to resume from the last recovery checkpoint"
+        if stop.received:
+            print(f"stopped by SIGTERM: the run and its nodes were ended{resume}", file=sys.stderr)
+            return 128 + signal.SIGTERM
+        print(f"interrupted{resume}", file=sys.stderr)
         return 130
+    finally:
+        stop.restore()
+        if claim is not None:
+            claim.release()
+
+
+class _SigtermAsInterrupt:
+    """SIGTERM (Slurm at a time limit, ``timeout``, systemd) stops the run the way Ctrl-C does:
+    the run is cancelled, its nodes are ended and its files closed, then `KeyboardInterrupt`."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self._previous = signal.getsignal(signal.SIGTERM)
+        if self._previous is signal.SIG_DFL:  # leave a handler someone else installed alone
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self.received = True
+        handler = signal.getsignal(signal.SIGINT)
+        if callable(handler):
+            # asyncio's own SIGINT handler while the run is in its event loop (it cancels the
+            # run), else Python's default, which raises KeyboardInterrupt right here.
+            handler(signal.SIGINT, frame)
+        else:  # SIGINT ignored (a background job of a script): still stop
+            raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        """Put the previous SIGTERM handler back."""
+        if self._previous is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 if __name__ == "__main__":

@@ -46,8 +46,8 @@ from arl.stats.trace import Tracer
 log = logging.getLogger("arl.trainer")
 
 
-async def run(cfg: Config) -> None:
-    """Run the whole experiment described by ``cfg``."""
+async def run(cfg: Config, run_id: str | None = None) -> None:
+    """Run the whole experiment described by ``cfg`` (metrics rows carry ``run_id``)."""
     from arl.launch import detect_gpus
 
     t0 = time.monotonic()
@@ -55,7 +55,7 @@ async def run(cfg: Config) -> None:
     # The data first: a missing or unreachable dataset fails before any process starts.
     data = await asyncio.get_running_loop().run_in_executor(None, load_data, cfg)
     async with start_cluster(cfg, plan) as cluster:
-        trainer = PPOTrainer(cfg, cluster)
+        trainer = PPOTrainer(cfg, cluster, run_id=run_id)
         try:
             await trainer.setup(data)
             await trainer.train()
@@ -134,14 +134,14 @@ async def call_all(
 class PPOTrainer:
     """Composes rollout, training, weight sync, metrics and checkpoints into one loop."""
 
-    def __init__(self, cfg: Config, cluster: Cluster):
+    def __init__(self, cfg: Config, cluster: Cluster, run_id: str | None = None):
         self.cfg, self.cluster = cfg, cluster
         self.version = 0
         self.step = 0
         self.train_workers: list[RemoteObject] = []
         self.rollout_workers: list[RemoteObject] = []
         self.stats = StatsLogger(
-            cfg.run_path, jsonl=cfg.stats.jsonl, tensorboard=cfg.stats.tensorboard
+            cfg.run_path, jsonl=cfg.stats.jsonl, tensorboard=cfg.stats.tensorboard, run_id=run_id
         )
         self.saver = Saver(cfg.run_path)
         self.rollout: RolloutController | None = None

@@ -52,7 +52,13 @@ def resolve_model(name_or_path: str, cache_dir: str | None = None) -> str:
     """
     path = Path(name_or_path).expanduser()
     if path.is_dir():
+        validate_model_dir(path)
         return str(path)
+    if path.exists():
+        raise ModelResolutionError(
+            f"model {name_or_path!r} is a file; pass the folder that holds config.json and the "
+            "weights (an HF-format directory written by save_pretrained)"
+        )
     if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
         raise ModelResolutionError(
             f"model {name_or_path!r} is neither an existing directory nor a hub id of the form "
@@ -61,10 +67,11 @@ def resolve_model(name_or_path: str, cache_dir: str | None = None) -> str:
 
     cached = _hf_cached(name_or_path)
     if cached is not None:
+        validate_model_dir(Path(cached))
         return cached
     if _hub_reachable():
         try:
-            return _hf_download(name_or_path)
+            downloaded = _hf_download(name_or_path)
         except Exception as exc:  # noqa: BLE001 - any download failure falls to the offline path
             if name_or_path != DEFAULT_MODEL:
                 raise ModelResolutionError(
@@ -72,12 +79,109 @@ def resolve_model(name_or_path: str, cache_dir: str | None = None) -> str:
                     "HF-format directory instead"
                 ) from exc
             log.warning("hub download of %s failed (%s); using the offline GGUF", name_or_path, exc)
+        else:
+            validate_model_dir(Path(downloaded))
+            return downloaded
     if name_or_path == DEFAULT_MODEL:
         return str(_smollm2_from_wheel(cache_root(cache_dir)))
     raise ModelResolutionError(
         f"model {name_or_path!r} is not in the Hugging Face cache and the hub is unreachable "
         "(or HF_HUB_OFFLINE is set); pass a local HF-format directory instead"
     )
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def validate_model_dir(path: Path) -> None:
+    """Check that ``path`` is a loadable HF model folder: a config.json with a model_type,
+    tokenizer files, and weights that are complete (every safetensors file as long as its
+    header says); raise `ModelResolutionError` naming the file and what is wrong."""
+    config = path / "config.json"
+    if not config.is_file():
+        nested = sorted(p.parent.name for p in path.glob("*/config.json"))
+        hint = f" (its subfolder {nested[0]!r} has one: pass that)" if nested else ""
+        raise ModelResolutionError(
+            f"{path} has no config.json{hint}; a model folder is what save_pretrained writes: "
+            "config.json, the tokenizer files and the weights (model.safetensors)"
+        )
+    try:
+        body = json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ModelResolutionError(
+            f"{config} is not valid JSON ({e}); the file is damaged: copy or save the model again"
+        ) from e
+    if not isinstance(body, dict) or "model_type" not in body:
+        raise ModelResolutionError(
+            f"{config} has no 'model_type' key, so transformers cannot tell the architecture; "
+            "it is not a model config (save the model with save_pretrained)"
+        )
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise ModelResolutionError(
+            f"{path} has no tokenizer ({', '.join(_TOKENIZER_FILES)}); save it into the same "
+            "folder with tokenizer.save_pretrained"
+        )
+    weights = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelResolutionError(f"{index} is damaged ({e}): copy the model again") from e
+        missing = sorted(s for s in shards if not (path / s).is_file())
+        if missing:
+            raise ModelResolutionError(
+                f"{index} lists {len(shards)} weight files but {', '.join(missing[:3])} "
+                f"{'is' if len(missing) == 1 else 'are'} missing from {path}: copy them too"
+            )
+    if not weights and not any(path.glob("*.bin")) and not any(path.glob("*.pt")):
+        raise ModelResolutionError(
+            f"{path} has no weights (model.safetensors or pytorch_model.bin) next to its "
+            "config.json; save the model with save_pretrained"
+        )
+    for file in weights:
+        check_safetensors(file)
+
+
+def check_safetensors(file: Path) -> None:
+    """Raise `ModelResolutionError` if ``file`` is not a complete safetensors file: its 8-byte
+    header length, JSON header and the tensor data the header describes must all be there."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 0 or 8 + n > size:
+            raise ModelResolutionError(
+                f"{file} is truncated: {size} bytes, shorter than its own header "
+                f"({'unknown' if n < 0 else 8 + n} bytes); the copy or download was cut "
+                "short: copy it again"
+            )
+        try:
+            header = json.loads(f.read(n))
+            end = max(
+                (int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
+                default=0,
+            )
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            raise ModelResolutionError(
+                f"{file} is not a safetensors file (its header does not parse: {e}); copy or "
+                "save the model again"
+            ) from e
+    if 8 + n + end > size:
+        raise ModelResolutionError(
+            f"{file} is truncated: {size:,} bytes of the {8 + n + end:,} its header describes "
+            f"({8 + n + end - size:,} missing); the copy or download was cut short: copy it again"
+        )
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(file), framework="pt") as sf:
+            sf.keys()
+    except Exception as e:  # noqa: BLE001 - any refusal by the reader is this file's fault
+        raise ModelResolutionError(
+            f"{file} cannot be read as safetensors ({type(e).__name__}: {e}); copy or save the "
+            "model again"
+        ) from e
 
 
 def _hf_cached(repo_id: str) -> str | None:

@@ -2,7 +2,9 @@
 
 ``StatsLogger.log(step, metrics)`` takes a flat dict of numbers (lists become histograms in
 TensorBoard and stay lists in the JSONL). Both files live in the run directory:
-``metrics.jsonl`` and ``tensorboard/``.
+``metrics.jsonl`` and ``tensorboard/``. Every JSONL row carries the ``run_id`` of the launch
+that wrote it (`arl.run_dir`): a run resumed by running the command again continues the step
+numbers under a new id, so a step logged twice is told apart (the later row is the one kept).
 """
 
 from __future__ import annotations
@@ -17,8 +19,18 @@ from typing import Any
 class StatsLogger:
     """Writes each step's metrics to JSONL and (optionally) TensorBoard."""
 
-    def __init__(self, run_dir: str | Path, *, jsonl: bool = True, tensorboard: bool = True):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        jsonl: bool = True,
+        tensorboard: bool = True,
+        run_id: str | None = None,
+    ):
+        from arl.run_dir import new_run_id
+
         self.run_dir = Path(run_dir)
+        self.run_id = run_id or new_run_id()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.run_dir / "metrics.jsonl" if jsonl else None
         self._jsonl = open(self.jsonl_path, "a") if self.jsonl_path else None  # noqa: SIM115
@@ -30,13 +42,18 @@ class StatsLogger:
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Record ``metrics`` for ``step``."""
-        row = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
+        row = {
+            "step": step,
+            "run_id": self.run_id,
+            "time": time.time(),
+            **{k: _plain(v) for k, v in metrics.items()},
+        }
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(row) + "\n")
             self._jsonl.flush()
         if self._tb is not None:
             for k, v in row.items():
-                if k in ("step", "time"):
+                if k in ("step", "run_id", "time"):
                     continue
                 if isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
                     import numpy as np

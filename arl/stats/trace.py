@@ -6,10 +6,11 @@ lowest free numbered lane, and a span may name a fixed lane of its own (``lane="
 Every span is a complete ("X") event timed on the controller's clock (``time.monotonic``,
 microseconds since the tracer started), so rows of different processes never disagree.
 
-Events stream to the file as the run goes (`flush` after each step) in the JSON array format,
-whose closing ``]`` trace viewers do not require: the trace of a crashed run still opens, and
-`load_trace` reads it too. Recording a span costs a few microseconds; ``Tracer(None)`` records
-nothing.
+Events stream to the file as the run goes (`flush` after each step) in the JSON array format.
+The file is a complete JSON array at every moment: it starts as ``[]`` and each flush writes its
+events over the closing ``]`` together with a new one, in one write, so the trace of a run
+stopped any way (Ctrl-C, SIGTERM, a crash, ``kill -9``) still parses. Recording a span costs a
+few microseconds; ``Tracer(None)`` records nothing.
 
     python -m arl.stats.trace_png runs/NAME/TRIAL/trace.json -o timeline.png
 """
@@ -18,12 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+_OPEN, _CLOSE = b"[\n", b"\n]\n"
 
 
 class Tracer:
@@ -38,13 +41,15 @@ class Tracer:
         self._lanes: dict[tuple[str, int | str], int] = {}  # (row, lane) -> tid
         self._busy: dict[str, set[int]] = {}  # numbered lanes in use per row
         self._pending: list[str] = []
-        self._file: Any = None
+        self._fd: int | None = None
+        self._end = 0  # file offset of the closing "]" that the next flush writes over
         self._first = True
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             _keep_previous(self.path)
-            self._file = open(self.path, "w")  # noqa: SIM115 - closed by close()
-            self._file.write("[\n")
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._end = len(_OPEN)
+            os.write(self._fd, _OPEN + _CLOSE)
 
     # ---- recording --------------------------------------------------------------------------
     def declare(self, *rows: str) -> None:
@@ -84,22 +89,24 @@ class Tracer:
 
     def flush(self) -> None:
         """Write the events recorded so far (the trainer calls it once per step)."""
-        if self._file is None or not self._pending:
+        if self._fd is None or not self._pending:
             return
         sep = "" if self._first else ",\n"
-        self._file.write(sep + ",\n".join(self._pending))
-        self._file.flush()
+        body = (sep + ",\n".join(self._pending)).encode()
+        # One write puts the events and a new closing bracket where the old bracket was; the file
+        # only grows, so nothing of the old bracket is left behind it.
+        os.pwrite(self._fd, body + _CLOSE, self._end)
+        self._end += len(body)
         self._first = False
         self._pending.clear()
 
     def close(self) -> None:
-        """Write what is left and end the JSON array (idempotent)."""
-        if self._file is None:
+        """Write what is left and close the file (idempotent); the array is already ended."""
+        if self._fd is None:
             return
         self.flush()
-        self._file.write("\n]\n")
-        self._file.close()
-        self._file = None
+        os.close(self._fd)
+        self._fd = None
         self.enabled = False
 
     # ---- rows and lanes ---------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import threading
@@ -85,8 +86,89 @@ def test_cache_dir_from_environment(monkeypatch, tmp_path):
     assert model_mod.cache_root() == Path("~/.cache/arl").expanduser()
 
 
+def _model_folder(path: Path) -> Path:
+    """A folder with what save_pretrained writes: config, tokenizer, one safetensors file."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text('{"model_type": "llama"}')
+    (path / "tokenizer.json").write_text("{}")
+    save_file({"w": torch.arange(4096, dtype=torch.float32)}, str(path / "model.safetensors"))
+    return path
+
+
 def test_local_directory_is_returned_as_is(tmp_path):
-    assert resolve_model(str(tmp_path)) == str(tmp_path)
+    folder = _model_folder(tmp_path / "m")
+    assert resolve_model(str(folder)) == str(folder)
+
+
+def test_a_folder_without_config_json_is_named_with_what_to_do(tmp_path):
+    folder = _model_folder(tmp_path / "m")
+    (folder / "config.json").unlink()
+    with pytest.raises(ModelResolutionError) as info:
+        resolve_model(str(folder))
+    assert f"{folder} has no config.json" in str(info.value)
+    assert "save_pretrained" in str(info.value)
+
+
+def test_the_parent_of_a_model_folder_points_at_the_subfolder(tmp_path):
+    _model_folder(tmp_path / "parent" / "final")
+    with pytest.raises(ModelResolutionError, match="subfolder 'final' has one: pass that"):
+        resolve_model(str(tmp_path / "parent"))
+
+
+def test_a_config_without_model_type_or_not_json_is_named(tmp_path):
+    folder = _model_folder(tmp_path / "m")
+    (folder / "config.json").write_text('{"hidden_size": 8}')
+    with pytest.raises(ModelResolutionError, match=r"config.json has no 'model_type' key"):
+        resolve_model(str(folder))
+    (folder / "config.json").write_text('{"model_type": "lla')
+    with pytest.raises(ModelResolutionError, match=r"config.json is not valid JSON"):
+        resolve_model(str(folder))
+
+
+def test_a_truncated_safetensors_file_is_named_with_the_missing_bytes(tmp_path):
+    folder = _model_folder(tmp_path / "m")
+    weights = folder / "model.safetensors"
+    full = weights.stat().st_size
+    os.truncate(weights, full - 1000)  # a copy cut short inside the tensor data
+    with pytest.raises(ModelResolutionError) as info:
+        resolve_model(str(folder))
+    message = str(info.value)
+    assert f"{weights} is truncated: {full - 1000:,} bytes of the {full:,}" in message
+    assert "(1,000 missing)" in message and "copy it again" in message
+    os.truncate(weights, 20)  # cut inside the header
+    with pytest.raises(ModelResolutionError, match="shorter than its own header"):
+        resolve_model(str(folder))
+
+
+def test_a_file_that_is_not_safetensors_is_named(tmp_path):
+    folder = _model_folder(tmp_path / "m")
+    (folder / "model.safetensors").write_bytes((12).to_bytes(8, "little") + b"not json !!!")
+    with pytest.raises(ModelResolutionError, match="model.safetensors is not a safetensors file"):
+        resolve_model(str(folder))
+
+
+def test_missing_weights_tokenizer_or_index_shards_are_named(tmp_path):
+    folder = _model_folder(tmp_path / "m")
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(ModelResolutionError, match="has no weights"):
+        resolve_model(str(folder))
+    _model_folder(folder)
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(ModelResolutionError, match="has no tokenizer"):
+        resolve_model(str(folder))
+    _model_folder(folder)
+    index = {"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelResolutionError, match="model-00002-of-00002.safetensors is missing"):
+        resolve_model(str(folder))
+
+
+def test_a_file_given_as_the_model_is_refused(tmp_path):
+    folder = _model_folder(tmp_path / "m")
+    with pytest.raises(ModelResolutionError, match="is a file; pass the folder"):
+        resolve_model(str(folder / "config.json"))
 
 
 def test_missing_path_and_unknown_hub_id_offline(offline, tmp_path):

@@ -80,17 +80,22 @@ def test_span_records_errors_and_cancellations(tmp_path):
     assert "args" not in by_name["ok"]
 
 
-def test_a_trace_not_closed_still_loads(tmp_path):
+def test_a_trace_is_plain_json_at_every_moment_without_close(tmp_path):
     tr, clock = _tracer(tmp_path)
+    assert json.loads(tr.path.read_text()) == []  # a run killed before its first step
     tr.add("a", "one", 100.0, 101.0)
     tr.flush()
+    assert [s["name"] for s in spans(json.loads(tr.path.read_text()))] == ["one"]
     tr.add("a", "two", 101.0, 102.0)
-    tr.flush()  # the run dies here: no closing bracket
-    text = tr.path.read_text()
-    assert not text.rstrip().endswith("]")
-    assert [s["name"] for s in spans(load_trace(tr.path))] == ["one", "two"]
+    tr.flush()  # the run dies here (kill -9): close() never runs
+    assert [s["name"] for s in spans(json.loads(tr.path.read_text()))] == ["one", "two"]
     tr.close()
-    json.loads(tr.path.read_text())  # closed: plain JSON
+    assert [s["name"] for s in spans(json.loads(tr.path.read_text()))] == ["one", "two"]
+
+
+def test_load_trace_still_reads_an_open_array(tmp_path):
+    (tmp_path / "old.json").write_text('[\n{"name":"x","ph":"X","ts":0,"dur":1,"pid":1,"tid":1}')
+    assert [s["name"] for s in spans(load_trace(tmp_path / "old.json"))] == ["x"]
 
 
 def test_disabled_tracer_writes_nothing(tmp_path):

@@ -1,0 +1,62 @@
+"""Checks of a run's inputs before any node starts: the model folders and the dataset splits.
+
+The nodes would find the same faults, but only after every process started and loaded what it
+could; here they become one `InputError` naming the setting, the file and what to do.
+"""
+
+from __future__ import annotations
+
+from arl.config import Config
+
+
+class InputError(RuntimeError):
+    """A model or dataset the config names cannot be used (the message says which and why)."""
+
+
+def check_model(cfg: Config) -> str:
+    """Resolve and validate ``actor.path`` (and ``ref.path`` when the KL term uses it);
+    returns the actor's local folder."""
+    from arl.engines.model import ModelResolutionError, resolve_model
+
+    paths = [("actor.path", cfg.actor.path)]
+    if cfg.actor.kl_ctl > 0 and cfg.ref.path and cfg.ref.path != cfg.actor.path:
+        paths.append(("ref.path", cfg.ref.path))
+    resolved = []
+    for key, value in paths:
+        try:
+            resolved.append(resolve_model(value))
+        except ModelResolutionError as e:
+            raise InputError(f"{key}={value}: {e}") from e
+    return resolved[0]
+
+
+def check_data(cfg: Config) -> None:
+    """Load the training split (and the evaluation split when evaluation is on) through
+    ``data.loader``, so a missing file or an empty split is found before launch."""
+    from arl.trainer import load_rows
+
+    splits = [cfg.data.train_split]
+    if cfg.evaluator.freq_steps:
+        splits.append(cfg.data.eval_split)
+    for split in splits:
+        where = f"data.path={cfg.data.path} (split {split!r}, data.loader={cfg.data.loader})"
+        try:
+            rows = load_rows(cfg, split)
+        except (ValueError, OSError, ImportError, LookupError) as e:
+            # ValueError covers the loaders' DatasetError; other exceptions are bugs in a loader
+            # and keep their traceback.
+            hint = ""
+            if isinstance(e, OSError):
+                hint = f"; set data.path to a folder holding {split}.jsonl, or a hub dataset id"
+            raise InputError(f"{where}: {_describe(e)}{hint}") from e
+        if not rows:
+            raise InputError(f"{where}: the split has no rows; point data.path at a dataset")
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    if isinstance(e, OSError) and e.filename and str(e.filename) not in text:
+        text += f": {e.filename}"
+    if type(e).__name__ not in ("DatasetError", "ValueError"):
+        text = f"{type(e).__name__}: {text}"
+    return text
