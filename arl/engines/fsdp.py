@@ -446,10 +446,41 @@ class FSDPEngine:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors by HF name, yielded on rank 0 (on this engine's device); collective:
         every rank must iterate it to the end, since each tensor is all-gathered."""
+        sources = self.weight_sources()
+        if sources is not None:  # one rank: the shards are the full tensors, nothing to gather
+            for name, t in sources:
+                yield name, t if dtype is None else t.to(dtype)
+            return
         for name, t in self.model.state_dict().items():
             full = _full(t).detach()
             if self.rank == 0:
                 yield name, full if dtype is None else full.to(dtype)
+
+    def weight_sources(self) -> list[tuple[str, torch.Tensor]] | None:
+        """The full weights by HF name as views of this rank's shards (no gather, no copy) when
+        it is the only rank; None with more ranks (`state_dict_for_sync` gathers them)."""
+        if self.world_size != 1:
+            return None
+        out = []
+        for name, t in self.model.state_dict().items():
+            local = t.to_local() if isinstance(t, DTensor) else t
+            if tuple(local.shape) != tuple(t.shape):
+                return None
+            out.append((name, local.detach()))
+        return out
+
+    def tied_weights(self) -> dict[str, str]:
+        """State-dict names that alias an earlier name's tensor (tied embeddings), to it."""
+        first: dict[tuple[int, tuple[int, ...]], str] = {}
+        tied = {}
+        for name, t in self.model.state_dict().items():
+            local = t.to_local() if isinstance(t, DTensor) else t
+            key = (local.data_ptr(), tuple(t.shape))
+            if key in first:
+                tied[name] = first[key]
+            else:
+                first[key] = name
+        return tied
 
     def save_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
         """Save the policy as a HF model folder (weights, config, tokenizer files); collective."""

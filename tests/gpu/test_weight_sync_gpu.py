@@ -84,7 +84,7 @@ def test_nccl_separate_gpus_engine_matches_trainer_every_step(tmp_path, tiny_mod
 _RECEIVER = textwrap.dedent(
     """
     import sys, msgpack, torch
-    from arl.engines.weight_transfer import open_cuda_buffer
+    from arl.weights.buckets import open_cuda_buffer
     fields = msgpack.unpackb(sys.stdin.buffer.read(), raw=False)
     t = open_cuda_buffer(fields)
     out = {"sum": float(t.double().sum()), "dtype": str(t.dtype), "n": t.numel()}
@@ -97,7 +97,7 @@ _RECEIVER = textwrap.dedent(
 
 
 def test_cuda_ipc_fields_open_the_same_memory_in_another_process():
-    from arl.engines.weight_transfer import share_cuda_buffer
+    from arl.weights.buckets import share_cuda_buffer
 
     buffer = torch.arange(1000, dtype=torch.float32, device="cuda")
     fields = share_cuda_buffer(buffer[10:])

@@ -16,7 +16,9 @@ import torch
 
 from arl.config import Config, ConfigError, apply_overrides
 from arl.control.placement import plan_placement
-from arl.engines.weight_transfer import (
+from arl.stats.logger import read_jsonl
+from arl.trainer import run
+from arl.weights.buckets import (
     ALIGN,
     BroadcastGroup,
     BucketLayout,
@@ -29,8 +31,6 @@ from arl.engines.weight_transfer import (
     receive_buckets,
     unflatten_bucket,
 )
-from arl.stats.logger import read_jsonl
-from arl.trainer import run
 from tests.support.tiny_model import make_tiny_model, tiny_run_config
 
 

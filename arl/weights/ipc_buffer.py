@@ -1,0 +1,174 @@
+"""``ipc_buffer``: engine and trainer on one GPU share one persistent buffer of the weights.
+
+The fastest mode where it runs, and ``auto``'s choice when every engine is on train rank 0's
+GPU. At setup, train rank 0 allocates one buffer holding every weight in the engines' dtype
+(tied weights once) and exports it once as a CUDA IPC handle (plain msgpack fields, no pickle);
+each engine maps it once and keeps views of its tensors. Per sync:
+
+- stage (rollout still running): rank 0 casts its weights into the buffer in one multi-tensor
+  copy (one rank: straight from its shards, no gather; more ranks: the gathered tensors);
+- transfer (rollout paused): each engine copies the views into its parameters on the device,
+  in place, so its CUDA graphs stay valid. Only a small call crosses the socket each way.
+
+The floor is two device copies of the weights (trainer -> buffer, buffer -> engine); the
+price is one extra copy of the weights in GPU memory (``ipc`` streams one bucket instead).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from arl.weights.base import NodePart, WeightSync, engine_device, engines_on_rank0_gpu
+from arl.weights.buckets import (
+    BucketLayout,
+    WeightTransferError,
+    open_cuda_buffer,
+    plan_buckets,
+    share_cuda_buffer,
+    unflatten_bucket,
+)
+
+if TYPE_CHECKING:
+    from arl.control.placement import NodeSpec
+
+
+class IpcBufferSync(WeightSync):
+    """Controller half: share the buffer once; per sync one stage call and one load call."""
+
+    mode = "ipc_buffer"
+    auto_rank = 10
+
+    @classmethod
+    def check_plan(cls, plan: Sequence[NodeSpec]) -> None:
+        """hf engines, all on train rank 0's GPU."""
+        engines_on_rank0_gpu(cls.mode, plan)
+
+    async def setup(self) -> None:
+        """Agree on the dtype, allocate and share the buffer, let every engine map it."""
+        await super().setup()
+        cluster = self.ctx.cluster
+        self.senders = await self.place(
+            "arl.weights.ipc_buffer:BufferSender", cluster.train, host="train"
+        )
+        self.receivers = await self.place(
+            "arl.weights.ipc_buffer:BufferReceiver", cluster.rollout, host="rollout"
+        )
+        shared = await self.senders[0].open()
+        self.nbytes = int(shared["layout"]["nbytes"])
+        await asyncio.gather(*(r.open(shared) for r in self.receivers))
+
+    async def stage(self, version: int) -> dict:
+        """Rank 0 casts the current weights into the buffer (the other ranks join the gathers)."""
+        await asyncio.gather(*(s.stage() for s in self.senders))
+        return {"sync/bytes": self.nbytes}
+
+    async def transfer(self, version: int) -> None:
+        """Every engine copies the buffer into its parameters."""
+        await asyncio.gather(*(r.load() for r in self.receivers))
+
+
+class BufferSender(NodePart):
+    """Train node half: rank 0 owns the buffer; every rank takes part in filling it."""
+
+    def __init__(self, host: str) -> None:
+        super().__init__(host)
+        self.buffer: torch.Tensor | None = None
+        self.views: dict[str, torch.Tensor] = {}
+        self._sources: list[torch.Tensor] | None = None
+        self._source_ptrs: list[int] = []
+
+    def open(self) -> dict | None:
+        """Rank 0: allocate the buffer, return its layout, tied names and IPC handle fields."""
+        if self.host.rank != 0:
+            return None
+        device = torch.device(self.host.engine.device)
+        if device.type != "cuda":
+            raise WeightTransferError(
+                f"weight_sync.mode=ipc_buffer needs train rank 0 on a GPU, it is on {device}; "
+                "use zmq (or nccl on gloo) on CPU"
+            )
+        tied = self.host.tied_weights()  # alias -> the name that holds the tensor
+        specs = [s for s in self.host.weight_specs() if s[0] not in tied]
+        (layout,) = plan_buckets(specs, sys.maxsize)  # one bucket: the whole model
+        self.buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+        self.views = dict(unflatten_bucket(layout, self.buffer))
+        self.tied = tied
+        handle = share_cuda_buffer(self.buffer)
+        torch.cuda.synchronize(device)
+        return {"layout": layout.to_wire(), "tied": tied, "handle": handle}
+
+    def stage(self) -> None:
+        """Cast the current weights into the buffer and wait for the copy (every rank calls)."""
+        sources = self._current_sources()
+        if sources is not None:  # one rank: its shards are the whole tensors
+            torch._foreach_copy_(list(self.views.values()), sources)
+        else:
+            for name, t in self.host.full_state():
+                view = self.views.get(name)
+                if view is not None:  # rank 0; tied aliases are skipped
+                    view.copy_(t)
+        if self.buffer is not None:
+            # The engines read through their own processes: the bytes must be in place first.
+            torch.cuda.synchronize(self.buffer.device)
+
+    def _current_sources(self) -> list[torch.Tensor] | None:
+        """Rank 0's unsharded source tensors in buffer order (cached while the trainer keeps
+        them where they are), or None when the weights need gathering."""
+        if self.buffer is None:
+            return None
+        sources = self._sources
+        if sources is None or [t.data_ptr() for t in sources] != self._source_ptrs:
+            named = self.host.weight_sources()
+            if named is None:
+                return None
+            by_name = dict(named)
+            sources = [by_name[name] for name in self.views]
+            self._sources, self._source_ptrs = sources, [t.data_ptr() for t in sources]
+        return sources
+
+    def close(self) -> None:
+        """Free the buffer (CUDA keeps it until every engine has unmapped it)."""
+        self.buffer, self.views, self._sources = None, {}, None
+        torch.cuda.ipc_collect()
+
+
+class BufferReceiver(NodePart):
+    """Rollout node half: maps the buffer once; each load copies it into the engine."""
+
+    def __init__(self, host: str) -> None:
+        super().__init__(host)
+        self.buffer: Any = None
+        self.named: list[tuple[str, torch.Tensor]] = []
+
+    def open(self, shared: dict) -> int:
+        """Map rank 0's buffer and bind the engine's names (tied aliases too) to its views."""
+        device = torch.device(engine_device(self.host, IpcBufferSync.mode))
+        layout = BucketLayout.from_wire(shared["layout"])
+        self.buffer = open_cuda_buffer(shared["handle"])
+        if self.buffer.device != device:
+            raise WeightTransferError(
+                f"train rank 0's buffer is on {self.buffer.device}, the engine on {device}: "
+                "weight_sync.mode=ipc_buffer needs both on one GPU (use nccl across GPUs)"
+            )
+        views = dict(unflatten_bucket(layout, self.buffer))
+        tied = [(alias, views[name]) for alias, name in shared["tied"].items()]
+        self.named = [*views.items(), *tied]
+        return len(self.named)
+
+    def load(self) -> int:
+        """Copy the buffer into the engine's parameters (engine paused); returns the tensors
+        copied once the copies are done, so the trainer may refill the buffer."""
+        if self.buffer is None:
+            raise RuntimeError("load before open")
+        n = self.host.update_weights(self.named)
+        torch.cuda.synchronize(self.buffer.device)
+        return n
+
+    def close(self) -> None:
+        """Unmap the buffer."""
+        self.named, self.buffer = [], None
