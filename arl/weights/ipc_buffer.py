@@ -79,8 +79,8 @@ class BufferSender(NodePart):
         super().__init__(host)
         self.buffer: torch.Tensor | None = None
         self.views: dict[str, torch.Tensor] = {}
-        self._sources: list[torch.Tensor] | None = None
-        self._source_ptrs: list[int] = []
+        self._named: list | None = None
+        self._sources: list[torch.Tensor] = []
 
     def open(self) -> dict | None:
         """Rank 0: allocate the buffer, return its layout, tied names and IPC handle fields."""
@@ -117,23 +117,21 @@ class BufferSender(NodePart):
             torch.cuda.synchronize(self.buffer.device)
 
     def _current_sources(self) -> list[torch.Tensor] | None:
-        """Rank 0's unsharded source tensors in buffer order (cached while the trainer keeps
-        them where they are), or None when the weights need gathering."""
+        """Rank 0's unsharded source tensors in buffer order, or None when the weights need
+        gathering (more ranks)."""
         if self.buffer is None:
             return None
-        sources = self._sources
-        if sources is None or [t.data_ptr() for t in sources] != self._source_ptrs:
-            named = self.host.weight_sources()
-            if named is None:
-                return None
+        named = self.host.weight_sources()  # the same list while the weights stay put
+        if named is None:
+            return None
+        if named is not self._named:
             by_name = dict(named)
-            sources = [by_name[name] for name in self.views]
-            self._sources, self._source_ptrs = sources, [t.data_ptr() for t in sources]
-        return sources
+            self._named, self._sources = named, [by_name[name] for name in self.views]
+        return self._sources
 
     def close(self) -> None:
         """Free the buffer (CUDA keeps it until every engine has unmapped it)."""
-        self.buffer, self.views, self._sources = None, {}, None
+        self.buffer, self.views, self._named, self._sources = None, {}, None, []
         torch.cuda.ipc_collect()
 
 

@@ -1,6 +1,7 @@
 """Weight sync on GPUs: the three-step tiny-model run with the engine and trainer on CUDA.
 
-- ``ipc`` and ``zmq`` with ``cluster.n_gpus=1`` (hf engine and FSDP colocated on one GPU);
+- ``auto`` (which is ``ipc_buffer`` there), ``ipc`` and ``zmq`` with ``cluster.n_gpus=1`` (hf
+  engine and FSDP colocated on one GPU);
 - ``nccl`` with ``cluster.n_gpus=2`` (engine on GPU 0, trainer on GPU 1), skipped on one GPU;
 - CUDA IPC handle fields (msgpack, no pickle) opened in a second process.
 
@@ -23,8 +24,10 @@ import pytest
 import torch
 
 from arl.config import Config
+from arl.control.placement import plan_placement
 from arl.stats.logger import read_jsonl
 from arl.trainer import run
+from arl.weights import check_plan
 from tests.support.tiny_model import make_tiny_model, tiny_run_config
 
 pytestmark = [
@@ -69,6 +72,15 @@ def _run_and_check(cfg: Config, mode: str) -> None:
         f"\nweight_sync.mode={mode}: {sum(paused) / len(paused):.4f} s per sync paused "
         f"(per step {', '.join(f'{p:.4f}' for p in paused)}; {mb:.1f} MB per sync)"
     )
+
+
+def test_auto_on_one_gpu_is_the_persistent_ipc_buffer_and_engine_matches_every_step(
+    tmp_path, tiny_model
+):
+    cfg = gpu_config(tmp_path, tiny_model, 1)
+    assert cfg.weight_sync.mode == "auto"
+    assert check_plan("auto", plan_placement(cfg, 1)) == "ipc_buffer"
+    _run_and_check(cfg, "auto (ipc_buffer)")
 
 
 @pytest.mark.parametrize("mode", ["ipc", "zmq"])
