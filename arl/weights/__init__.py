@@ -1,7 +1,7 @@
 """Weight sync plug-ins (DESIGN §6): one module per mode, both of its halves in it.
 
-- ``ipc_buffer``: one persistent buffer shared once by CUDA IPC; per sync two device copies.
-  ``auto`` picks it when every engine is on train rank 0's GPU.
+- ``ipc_buffer``: one persistent buffer shared once by CUDA IPC (a shared-memory file on CPU);
+  per sync two device copies. ``auto`` picks it when every engine is on train rank 0's GPU.
 - ``ipc``: CUDA IPC of one bucket buffer at a time (one bucket of extra memory); never ``auto``.
 - ``nccl``: bucketed broadcast over a group of its own, the transfer overlapped (gloo on CPU).
   ``auto`` picks it for hf engines on GPUs apart from train rank 0's.

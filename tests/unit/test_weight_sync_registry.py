@@ -38,7 +38,7 @@ def test_auto_picks_the_fastest_mode_the_plan_supports(rollout, train, n_gpus, w
 @pytest.mark.parametrize(
     ("mode", "rollout", "n_gpus", "message"),
     [
-        ("ipc_buffer", "hf:d1", 0, "ipc_buffer needs GPUs"),
+        ("ipc_buffer", "vllm:d1", 0, "hf engine only"),
         ("ipc_buffer", "hf:d1", 2, "use weight_sync.mode=nccl for engines on other GPUs"),
         ("ipc_buffer", "sglang:d1", 1, "hf engine only"),
         ("ipc", "hf:d1", 0, "ipc needs GPUs"),
@@ -54,6 +54,7 @@ def test_a_forced_mode_the_plan_cannot_run_is_refused_at_placement(mode, rollout
 
 def test_forced_modes_that_fit_are_kept():
     assert check_plan("nccl", _plan("hf:d1", "fsdp:d1", 0)) == "nccl"  # gloo stand-in on CPU
+    assert check_plan("ipc_buffer", _plan("hf:d2", "fsdp:d1", 0)) == "ipc_buffer"  # shm file
     assert check_plan("ipc", _plan("hf:d1", "fsdp:d1", 1)) == "ipc"
     assert check_plan("zmq", _plan("hf:d1", "fsdp:d1", 1)) == "zmq"
     assert check_plan("disk", _plan("hf:d1", "fsdp:d1", 1)) == "disk"
