@@ -74,12 +74,12 @@ def _weight_files() -> set[str]:
     return {f.name for f in Path(SHM_DIR).glob("arl-weights-*")}
 
 
-def test_ipc_buffer_on_cpu_two_engines_match_trainer_every_step(tmp_path, tiny_model):
+def test_ipc_buffer_on_cpu_two_engines_two_ranks_match_trainer_every_step(tmp_path, tiny_model):
     # The CPU twin of the CUDA buffer: one shared-memory file, mapped once by both engines;
-    # per sync the trainer casts into it and each engine copies out.
+    # per sync rank 0 fills it from the gathered weights (two ranks) and each engine copies out.
     before = _weight_files()
-    mode, engines = "weight_sync.mode=ipc_buffer", "rollout.backend=hf:d2"
-    cfg = tiny_run_config(tmp_path, tiny_model, mode, engines)
+    overrides = ("weight_sync.mode=ipc_buffer", "rollout.backend=hf:d2", "actor.backend=fsdp:d2")
+    cfg = tiny_run_config(tmp_path, tiny_model, *overrides)
     asyncio.run(run(cfg))
     rows = _assert_synced_every_step(cfg)
     assert all(r["sync/bytes"] > 0 for r in rows)
