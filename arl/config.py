@@ -256,8 +256,10 @@ class DataConfig:
 class WeightSyncConfig:
     """How new weights reach the inference engines."""
 
-    mode: Literal["auto", "zmq", "disk", "ipc", "nccl"] = _f(
-        "auto", "auto: pick by placement; zmq/disk work anywhere; ipc/nccl need GPUs"
+    mode: Literal["auto", "ipc_buffer", "ipc", "nccl", "zmq", "disk"] = _f(
+        "auto",
+        "auto: by placement (ipc_buffer on train rank 0's GPU, nccl across GPUs, zmq on CPU, "
+        "disk for server engines); ipc/ipc_buffer need one shared GPU (arl.weights)",
     )
     bucket_bytes: int = _f(256 * MiB, "bytes of parameters sent per bucket")
     verify: bool = _f(

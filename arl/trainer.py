@@ -30,18 +30,12 @@ from arl.control.placement import plan_placement
 from arl.control.rollout import RolloutController
 from arl.control.rtensor import RTensor, ShardRef
 from arl.control.staleness import StalenessSemaphore
-from arl.control.weight_sync import (
-    DiskWeightSync,
-    IpcWeightSync,
-    NcclWeightSync,
-    WeightSync,
-    ZmqWeightSync,
-)
 from arl.data.loader import StatefulLoader
 from arl.engines.spec import engine_spec
 from arl.node.daemon import resolve_import
 from arl.stats.logger import StatsLogger
 from arl.stats.trace import Tracer
+from arl.weights import SyncContext, WeightSync, make_weight_sync
 
 log = logging.getLogger("arl.trainer")
 
@@ -249,36 +243,18 @@ class PPOTrainer:
         )
 
     def _make_weight_sync(self) -> WeightSync:
-        cfg = self.cfg
-        mode = cfg.weight_sync.mode
-        engine = cfg.rollout.backend.split(":")[0]
-        if mode == "auto":
-            mode = "zmq" if engine == "hf" else "disk"
-        if mode == "zmq":
-            return ZmqWeightSync(
-                self.cluster,
-                self.train_workers,
-                self.rollout_workers,
-                self.rollout,
-                cfg.weight_sync.bucket_bytes,
-                self.free,
-            )
-        if mode == "disk":
-            return DiskWeightSync(
-                self.train_workers, self.rollout_workers, self.rollout, cfg.run_path / "weights"
-            )
-        if mode in ("nccl", "ipc"):
-            sync_cls = NcclWeightSync if mode == "nccl" else IpcWeightSync
-            return sync_cls(
-                self.cluster,
-                self.train_workers,
-                self.rollout_workers,
-                self.rollout,
-                cfg.weight_sync.bucket_bytes,
-            )
-        raise NotImplementedError(
-            f"weight_sync.mode={mode} is not available in this build; use zmq, disk, nccl or ipc"
+        """The configured weight-sync plug-in (``auto``: chosen by the placement plan)."""
+        ctx = SyncContext(
+            cluster=self.cluster,
+            train=self.train_workers,
+            rollout_workers=self.rollout_workers,
+            rollout=self.rollout,
+            config=self.cfg.weight_sync,
+            run_path=self.cfg.run_path,
+            free=self.free,
         )
+        plan = [p.spec for p in self.cluster.nodes]
+        return make_weight_sync(self.cfg.weight_sync.mode, plan, ctx)
 
     # ---- the loop ---------------------------------------------------------------------------
     async def train(self) -> None:
@@ -520,9 +496,12 @@ class PPOTrainer:
         return "\n".join(lines)
 
     async def close(self) -> None:
-        """Stop rollout and close the loggers (the cluster ends the processes)."""
+        """Stop rollout, end the weight sync's node halves, close the loggers (the cluster
+        ends the processes)."""
         if self.rollout is not None:
             await self.rollout.stop()
+        if self.weight_sync is not None:
+            await self.weight_sync.close()
         if self.progress is not None:
             self.progress.close()
         self.stats.close()

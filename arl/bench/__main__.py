@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "broadcast bus bandwidth (NCCL on GPUs, gloo on CPU): the floor of nccl weight sync",
     ),
     "gpu": ("arl.bench.gpu", "GPU decode, training and weight-sync figures beside their floors"),
+    "sync": ("arl.bench.sync", "weight-sync seconds per mode in a recipe, beside the copy floor"),
 }
 
 

@@ -15,7 +15,8 @@ Sections (``--only`` picks some):
   blocks, as it was before the decode fixes of issue 7.
 - ``train``: FSDP2 (one rank, bf16) tokens/s of ``compute_logp`` and of advantages + PPO update,
   with model FLOP utilisation against the matmul peak measured in ``floors``.
-- ``sync``: seconds per weight sync for ``ipc``, ``zmq`` and ``disk``, the trainer and the engine
+- ``sync``: seconds per weight sync for ``ipc_buffer``, ``ipc``, ``zmq`` and ``disk`` (``python -m
+  arl.bench sync`` runs a whole recipe per mode), the trainer and the engine
   colocated on one GPU as real arl nodes (three steps of the arith recipe, ``sync/paused_s``),
   beside the time the same bytes take in a device-to-device copy.
 
@@ -443,7 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="skip the engine as it was before the decode fixes (stock sdpa, no compiled blocks)",
     )
     p.add_argument("--train-mb-tokens", type=int, default=8192)
-    p.add_argument("--sync-modes", nargs="*", default=["ipc", "zmq", "disk"])
+    p.add_argument("--sync-modes", nargs="*", default=["ipc_buffer", "ipc", "zmq", "disk"])
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -19,6 +19,7 @@ import asyncio
 import bisect
 import random
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -132,11 +133,12 @@ class SimRolloutWorker:
         self._changes_version.append(version)
         self.version = version
 
-    async def load_weights(self, buckets: list[dict[str, torch.Tensor]]) -> int:
-        """Take the pulled weight buckets (their bytes came over the data plane)."""
-        n = sum(t.numel() * t.element_size() for b in buckets for t in b.values())
-        self.weight_bytes_loaded += n
-        return n
+    weights_device = torch.device("cpu")  # what the zmq weight sync copies into
+
+    def update_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        """Take the pulled weights (their bytes came over the data plane)."""
+        self.weight_bytes_loaded += sum(t.numel() * t.element_size() for _, t in named)
+        return len(named)
 
     async def health(self) -> dict:
         """What a real worker's health says, as far as the trainer reads it."""
@@ -191,9 +193,7 @@ class SimTrainWorker:
     def set_sync_dtype(self, dtype: str | None) -> None:
         """Nothing to convert."""
 
-    def publish_weights(self, key_prefix: str, bucket_bytes: int) -> list[dict]:
-        """Rank 0 puts one bucket of ``weight_bytes`` into its store; returns its metas."""
-        if self.rank != 0:
-            return []
-        w = torch.full((self.weight_bytes // 4,), float(self.steps), dtype=torch.float32)
-        return [self.node.store.put(f"{key_prefix}/0", {"w": w}).to_wire()]
+    def full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Rank 0's "weights": one tensor of ``weight_bytes`` (what the zmq sync publishes)."""
+        if self.rank == 0:
+            yield "w", torch.full((self.weight_bytes // 4,), float(self.steps), dtype=torch.float32)

@@ -11,6 +11,7 @@ from typing import Literal
 import attrs
 
 from arl.config import Backend, Config, ConfigError, parse_backend
+from arl.weights import check_plan as check_weight_sync
 
 
 @attrs.frozen(kw_only=True)
@@ -35,7 +36,7 @@ class NodeSpec:
 def plan_placement(cfg: Config, n_gpus: int) -> list[NodeSpec]:
     """Place the rollout replicas and train ranks of ``cfg`` on ``n_gpus`` GPUs (0: CPU only)."""
     plan = _place(cfg, n_gpus)
-    _check_weight_sync(cfg.weight_sync.mode, plan)
+    check_weight_sync(cfg.weight_sync.mode, plan)  # the mode refuses a plan it cannot run on
     return plan
 
 
@@ -64,38 +65,6 @@ def _place(cfg: Config, n_gpus: int) -> list[NodeSpec]:
         f"{'is' if n_gpus == 1 else 'are'} available; lower d/t in the backend strings, "
         "or set cluster.n_gpus=0 to run on CPU"
     )
-
-
-def _check_weight_sync(mode: str, plan: list[NodeSpec]) -> None:
-    """nccl and ipc copy into in-process (hf) engines; nccl needs one GPU per group member,
-    ipc needs every engine on train rank 0's GPU."""
-    if mode not in ("nccl", "ipc"):
-        return
-    rank0 = next(n for n in plan if n.role == "train" and n.rank == 0)
-    # nccl stays allowed on CPU: its broadcast group then runs on gloo (the code path's stand-in).
-    if mode == "ipc" and not rank0.gpu_ids:
-        raise ConfigError(
-            "weight_sync.mode=ipc needs GPUs (CUDA IPC) and none are available; "
-            "use weight_sync.mode=auto, zmq, disk or nccl (gloo) on CPU"
-        )
-    engines = sorted({n.engine for n in plan if n.role == "rollout"} - {"hf"})
-    if engines:
-        raise ConfigError(
-            f"weight_sync.mode={mode} loads weights into the hf engine only, not {engines}; "
-            "use weight_sync.mode=disk (or auto) with server engines"
-        )
-    rollout_gpus = {g for n in plan if n.role == "rollout" for g in n.gpu_ids}
-    if mode == "nccl" and set(rank0.gpu_ids) & rollout_gpus:
-        raise ConfigError(
-            f"weight_sync.mode=nccl cannot put train rank 0 and an engine on the same GPU "
-            f"(GPU {sorted(set(rank0.gpu_ids) & rollout_gpus)}: NCCL needs one GPU per rank); "
-            "use weight_sync.mode=ipc when they share a GPU, or give the run more GPUs"
-        )
-    if mode == "ipc" and any(n.gpu_ids != rank0.gpu_ids for n in plan if n.role == "rollout"):
-        raise ConfigError(
-            f"weight_sync.mode=ipc needs every engine on train rank 0's GPU {list(rank0.gpu_ids)}"
-            "; use weight_sync.mode=nccl for engines on other GPUs"
-        )
 
 
 def _nodes(

@@ -150,6 +150,10 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 class FSDPEngine:
     """One data-parallel training rank of the policy (and the frozen reference when kl_ctl > 0).
 
@@ -211,6 +215,9 @@ class FSDPEngine:
             )
         self.source_path = cfg.path
         self._step = 0
+        # `weight_sources`' cached views and what they were taken from.
+        self._sources: list[tuple[str, torch.Tensor]] | None = None
+        self._sources_key: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------------ log-probs and advantages
 
@@ -449,10 +456,49 @@ class FSDPEngine:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors by HF name, yielded on rank 0 (on this engine's device); collective:
         every rank must iterate it to the end, since each tensor is all-gathered."""
+        sources = self.weight_sources()
+        if sources is not None:  # one rank: the shards are the full tensors, nothing to gather
+            for name, t in sources:
+                yield name, t if dtype is None else t.to(dtype)
+            return
         for name, t in self.model.state_dict().items():
             full = _full(t).detach()
             if self.rank == 0:
                 yield name, full if dtype is None else full.to(dtype)
+
+    def weight_sources(self) -> list[tuple[str, torch.Tensor]] | None:
+        """The full weights by HF name as views of this rank's shards (no gather, no copy) when
+        it is the only rank; None with more ranks (`state_dict_for_sync` gathers them).
+
+        The list is kept while every parameter and buffer is the same tensor in the same memory
+        (checked on each call, ~1 us per tensor), since a state dict costs ~10 ms to build.
+        """
+        if self.world_size != 1:
+            return None
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        key = [(id(t), _local(t).data_ptr()) for t in tensors]
+        if self._sources is not None and key == self._sources_key:
+            return self._sources
+        out = []
+        for name, t in self.model.state_dict().items():
+            local = _local(t)
+            if tuple(local.shape) != tuple(t.shape):
+                return None
+            out.append((name, local.detach()))
+        self._sources, self._sources_key = out, key
+        return out
+
+    def tied_weights(self) -> dict[str, str]:
+        """State-dict names that alias an earlier name's tensor (tied embeddings), to it."""
+        first: dict[tuple[int, tuple[int, ...]], str] = {}
+        tied = {}
+        for name, t in self.model.state_dict().items():
+            key = (_local(t).data_ptr(), tuple(t.shape))
+            if key in first:
+                tied[name] = first[key]
+            else:
+                first[key] = name
+        return tied
 
     def save_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
         """Save the policy as a HF model folder (weights, config, tokenizer files); collective."""

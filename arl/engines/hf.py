@@ -516,6 +516,10 @@ class HFEngine:
                 )
         count = 0
         with self._model_lock, torch.no_grad():
+            # Same device and dtype (the weight sync's usual case): one multi-tensor copy, a few
+            # kernels for the whole model instead of one per tensor. In place, so the captured
+            # CUDA graphs keep reading the right memory.
+            dsts, srcs = [], []
             for name, tensor in named_tensors:
                 target = self._weights.get(name)
                 if target is None:
@@ -523,13 +527,20 @@ class HFEngine:
                         f"{name!r} is not a parameter or buffer of the model "
                         f"(e.g. {next(iter(self._weights))!r}); check the name prefixes"
                     )
-                if tuple(tensor.shape) != tuple(target.shape):
+                if tensor.shape != target.shape:
                     raise ValueError(
                         f"weight {name!r}: shape {tuple(tensor.shape)} does not match the "
                         f"model's {tuple(target.shape)}"
                     )
-                target.data.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
+                src = tensor.detach()
+                if src.device == target.device and src.dtype == target.dtype:
+                    dsts.append(target.data)
+                    srcs.append(src)
+                else:
+                    target.data.copy_(src.to(device=target.device, dtype=target.dtype))
                 count += 1
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
         return count
 
     def update_weights_from_disk(self, path: str | Path) -> int:

@@ -14,19 +14,13 @@ import inspect
 import json
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from arl.engines.base import SamplingParams
 from arl.engines.spec import EngineSpec, build_engine
-from arl.engines.weight_transfer import (
-    BroadcastGroup,
-    BucketLayout,
-    WeightTransferError,
-    receive_buckets,
-    receive_ipc_bucket,
-)
 from arl.protocol.imports import ImportRefused, resolve_import
 from arl.workflows.base import TRAJECTORY_KEYS, EpisodeRejected, group_score
 
@@ -80,7 +74,6 @@ class RolloutWorker:
         self.workflow: Any = None
         self.groups_done = 0
         self.groups_failed = 0
-        self.weight_group: BroadcastGroup | None = None
         self._server_watch: asyncio.Task | None = None
 
     def attach_node(self, node: Any) -> None:
@@ -244,59 +237,22 @@ class RolloutWorker:
         """Stamp tokens generated from now on with ``version``."""
         self.engine.set_version(version)
 
-    async def update_weights_from_disk(self, path: str) -> None:
-        """Reload weights from an HF folder (engine paused)."""
-        fn = self.engine.update_weights_from_disk
-        if inspect.iscoroutinefunction(fn):
-            await fn(path)
-        else:
-            await asyncio.get_running_loop().run_in_executor(None, fn, path)
-
-    async def load_weights(self, buckets: list[dict[str, torch.Tensor]]) -> int:
-        """Copy pulled weight buckets into the engine's parameters (engine paused)."""
-        named = [(name, t) for bucket in buckets for name, t in bucket.items()]
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, self.engine.update_weights, named)
-
-    async def open_weight_group(
-        self, host: str, port: int, rank: int, world_size: int, backend: str
-    ) -> None:
-        """Join train rank 0's weight broadcast group as ``rank`` (nccl mode; blocks until all
-        ranks joined, so it runs off the event loop)."""
-        self._need_update_weights("nccl")
-        loop = asyncio.get_running_loop()
-        self.weight_group = await loop.run_in_executor(
-            None, lambda: BroadcastGroup(host, port, rank, world_size, backend)
-        )
-
-    async def receive_weights(self, layouts: list[dict]) -> int:
-        """Receive train rank 0's broadcast, bucket by bucket, into the engine (paused)."""
-        if self.weight_group is None:
-            raise RuntimeError("receive_weights before open_weight_group")
-        plan = [BucketLayout.from_wire(b) for b in layouts]
-        device = self._need_update_weights("nccl")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            None, receive_buckets, self.weight_group, plan, device, self.engine.update_weights
-        )
-
-    async def load_weights_ipc(self, handle: dict, layout: dict) -> int:
-        """Map train rank 0's CUDA bucket buffer and copy it into the engine (paused); the
-        return acknowledges that the buffer may be reused."""
-        self._need_update_weights("ipc")
-        bucket = BucketLayout.from_wire(layout)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            None, receive_ipc_bucket, handle, bucket, self.engine.update_weights
-        )
-
-    def _need_update_weights(self, mode: str) -> torch.device:
+    @property
+    def weights_device(self) -> torch.device | None:
+        """The device of an in-process engine that `update_weights` copies into; None for a
+        server engine (it loads weights itself, e.g. from disk)."""
         if not hasattr(self.engine, "update_weights") or not hasattr(self.engine, "device"):
-            raise WeightTransferError(
-                f"weight_sync.mode={mode} copies tensors into an in-process engine; "
-                f"{type(self.engine).__name__} has none (use the hf engine, or zmq/disk)"
-            )
+            return None
         return torch.device(self.engine.device)
+
+    def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy named tensors into the engine (paused; blocking: call it off the event loop).
+        The weight-sync plug-ins (arl.weights) move weights here."""
+        if self.weights_device is None:
+            raise TypeError(
+                f"{type(self.engine).__name__} loads weights itself; it has no update_weights"
+            )
+        return self.engine.update_weights(named)
 
     async def weights_checksum(self) -> str:
         """The engine's weight checksum (tests compare it with the trainer's)."""
@@ -308,13 +264,10 @@ class RolloutWorker:
         return {**h, "groups_done": self.groups_done}
 
     async def aclose(self) -> None:
-        """End the weight group and the engine (and any server it started)."""
+        """End the engine (and any server it started)."""
         if self._server_watch is not None:
             self._server_watch.cancel()
             self._server_watch = None
-        if self.weight_group is not None:
-            self.weight_group.close()
-            self.weight_group = None
         if self.engine is None:
             return
         close = getattr(self.engine, "aclose", None) or getattr(self.engine, "close", None)

@@ -21,13 +21,6 @@ import torch
 from arl.algo.packing import concat_shards
 from arl.engines.fsdp import FSDPEngine
 from arl.engines.hf import checksum_named_tensors
-from arl.engines.weight_transfer import (
-    BroadcastGroup,
-    BucketLayout,
-    CudaIpcSender,
-    broadcast_buckets,
-    plan_buckets,
-)
 from arl.wire.codec import parse_dtype
 
 
@@ -67,12 +60,8 @@ class TrainWorker:
         )
         self.batch: dict[str, torch.Tensor] | None = None
         self.node: Any = None
-        # Weight sync state (DESIGN §6): the engines' dtype, the bucket plan, the nccl/gloo
-        # group and the ipc sender of the sync in progress.
+        # The engines' weight dtype: weights are sent, and checksummed, in it (arl.weights).
         self.sync_dtype: torch.dtype | None = None
-        self.layouts: list[BucketLayout] = []
-        self.weight_group: BroadcastGroup | None = None
-        self.ipc_sender: CudaIpcSender | None = None
 
     def attach_node(self, node: Any) -> None:
         """Called by the node after construction: gives access to its shard store."""
@@ -121,87 +110,30 @@ class TrainWorker:
             raise RuntimeError("no batch loaded: call load_batch first")
         return self.batch
 
-    # ---- weights ----------------------------------------------------------------------------
+    # ---- weights (what the arl.weights plug-ins use) -------------------------------------
     def full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full (unsharded) named weights; every rank must iterate (collective gathers)."""
+        """Full (unsharded) named weights in the sync dtype, yielded on rank 0; every rank must
+        iterate to the end (collective gathers)."""
         return self.engine.state_dict_for_sync(self.sync_dtype)
 
     def set_sync_dtype(self, dtype: str | None) -> None:
         """Send and checksum weights in the engines' dtype (e.g. bfloat16); None: as trained."""
         self.sync_dtype = None if dtype is None else parse_dtype(dtype)
 
-    def publish_weights(self, key_prefix: str, bucket_bytes: int) -> list[dict]:
-        """Put the full weights into this node's store as buckets (rank 0); returns their metas.
-
-        Every rank calls it (the gathers are collective); only rank 0 keeps the buckets.
-        """
-        metas, bucket, size, n = [], {}, 0, 0
-        for name, t in self.full_state():
-            if self.rank != 0:
-                continue
-            bucket[name] = t.detach().to("cpu").contiguous()
-            size += t.numel() * t.element_size()
-            if size >= bucket_bytes:
-                metas.append(self.node.store.put(f"{key_prefix}/{n}", bucket).to_wire())
-                bucket, size, n = {}, 0, n + 1
-        if bucket:
-            metas.append(self.node.store.put(f"{key_prefix}/{n}", bucket).to_wire())
-        return metas
-
-    def weight_plan(self, bucket_bytes: int) -> list[dict]:
-        """Plan the bucket layouts of the full weights (in the sync dtype); metadata only: the
-        global shapes come from the sharded state dict, no gathers. Kept for the syncs."""
-        dtype = self.sync_dtype
-        specs = [
-            (name, tuple(t.shape), dtype or t.dtype)
+    def weight_specs(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """``(name, full shape, sync dtype)`` of every weight, in state-dict order; no gathers."""
+        return [
+            (name, tuple(t.shape), self.sync_dtype or t.dtype)
             for name, t in self.engine.model.state_dict().items()
         ]
-        self.layouts = plan_buckets(specs, bucket_bytes)
-        return [b.to_wire() for b in self.layouts]
 
-    def open_weight_group(self, host: str, port: int, world_size: int, backend: str) -> None:
-        """Rank 0: join the weight broadcast group as its rank 0 (blocks until all joined)."""
-        self._need_rank0("open_weight_group")
-        self.weight_group = BroadcastGroup(host, port, 0, world_size, backend)
+    def weight_sources(self) -> list[tuple[str, torch.Tensor]] | None:
+        """The weights as trained, unsharded, without a gather (one rank only), else None."""
+        return self.engine.weight_sources()
 
-    def broadcast_weights(self) -> int:
-        """Rank 0: broadcast the full weights bucket by bucket (nccl mode); returns bytes sent.
-
-        The other ranks call `join_weight_gathers` at the same time.
-        """
-        self._need_rank0("broadcast_weights")
-        if self.weight_group is None or not self.layouts:
-            raise RuntimeError("broadcast_weights before weight_plan and open_weight_group")
-        return broadcast_buckets(
-            self.weight_group, self.full_state(), self.layouts, self.engine.device
-        )
-
-    def join_weight_gathers(self) -> None:
-        """Ranks > 0: take part in the all-gathers of rank 0's streamed pass over the weights."""
-        for _ in self.full_state():
-            pass
-
-    def share_weight_bucket(self, index: int) -> dict:
-        """Rank 0 (ipc mode): fill the CUDA bucket buffer with bucket ``index`` (0, 1, ... in
-        order) and return its IPC handle as plain fields."""
-        self._need_rank0("share_weight_bucket")
-        if index == 0:
-            if self.ipc_sender is not None:  # left behind by a sync that failed midway
-                self.ipc_sender.release()
-            self.ipc_sender = CudaIpcSender(self.full_state(), self.layouts, self.engine.device)
-        if self.ipc_sender is None:
-            raise RuntimeError(f"share_weight_bucket({index}) before bucket 0")
-        return self.ipc_sender.share(index)
-
-    def end_weight_share(self) -> None:
-        """Rank 0 (ipc mode): check every bucket was shared and release the bucket buffer."""
-        sender, self.ipc_sender = self.ipc_sender, None
-        if sender is not None:
-            sender.finish()
-
-    def _need_rank0(self, what: str) -> None:
-        if self.rank != 0:
-            raise RuntimeError(f"{what} runs on train rank 0 only, this is rank {self.rank}")
+    def tied_weights(self) -> dict[str, str]:
+        """Tied weight names -> the first name of the same tensor (e.g. lm_head -> embed)."""
+        return self.engine.tied_weights()
 
     def save_hf(self, path: str) -> None:
         """Write the weights as an HF folder (every rank calls; rank 0 writes), atomically."""
@@ -250,10 +182,7 @@ class TrainWorker:
         return self.engine.get_step()
 
     def close(self) -> None:
-        """Destroy the weight group and the process group."""
-        if self.weight_group is not None:
-            self.weight_group.close()
-            self.weight_group = None
+        """Destroy the process group."""
         self.engine.destroy()
 
 

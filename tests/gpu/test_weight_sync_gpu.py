@@ -1,6 +1,7 @@
 """Weight sync on GPUs: the three-step tiny-model run with the engine and trainer on CUDA.
 
-- ``ipc`` and ``zmq`` with ``cluster.n_gpus=1`` (hf engine and FSDP colocated on one GPU);
+- ``auto`` (which is ``ipc_buffer`` there), ``ipc`` and ``zmq`` with ``cluster.n_gpus=1`` (hf
+  engine and FSDP colocated on one GPU);
 - ``nccl`` with ``cluster.n_gpus=2`` (engine on GPU 0, trainer on GPU 1), skipped on one GPU;
 - CUDA IPC handle fields (msgpack, no pickle) opened in a second process.
 
@@ -23,8 +24,10 @@ import pytest
 import torch
 
 from arl.config import Config
+from arl.control.placement import plan_placement
 from arl.stats.logger import read_jsonl
 from arl.trainer import run
+from arl.weights import check_plan
 from tests.support.tiny_model import make_tiny_model, tiny_run_config
 
 pytestmark = [
@@ -71,6 +74,15 @@ def _run_and_check(cfg: Config, mode: str) -> None:
     )
 
 
+def test_auto_on_one_gpu_is_the_persistent_ipc_buffer_and_engine_matches_every_step(
+    tmp_path, tiny_model
+):
+    cfg = gpu_config(tmp_path, tiny_model, 1)
+    assert cfg.weight_sync.mode == "auto"
+    assert check_plan("auto", plan_placement(cfg, 1)) == "ipc_buffer"
+    _run_and_check(cfg, "auto (ipc_buffer)")
+
+
 @pytest.mark.parametrize("mode", ["ipc", "zmq"])
 def test_colocated_one_gpu_engine_matches_trainer_every_step(tmp_path, tiny_model, mode):
     _run_and_check(gpu_config(tmp_path, tiny_model, 1, f"weight_sync.mode={mode}"), mode)
@@ -84,7 +96,7 @@ def test_nccl_separate_gpus_engine_matches_trainer_every_step(tmp_path, tiny_mod
 _RECEIVER = textwrap.dedent(
     """
     import sys, msgpack, torch
-    from arl.engines.weight_transfer import open_cuda_buffer
+    from arl.weights.buckets import open_cuda_buffer
     fields = msgpack.unpackb(sys.stdin.buffer.read(), raw=False)
     t = open_cuda_buffer(fields)
     out = {"sum": float(t.double().sum()), "dtype": str(t.dtype), "n": t.numel()}
@@ -97,7 +109,7 @@ _RECEIVER = textwrap.dedent(
 
 
 def test_cuda_ipc_fields_open_the_same_memory_in_another_process():
-    from arl.engines.weight_transfer import share_cuda_buffer
+    from arl.weights.buckets import share_cuda_buffer
 
     buffer = torch.arange(1000, dtype=torch.float32, device="cuda")
     fields = share_cuda_buffer(buffer[10:])

@@ -1,7 +1,8 @@
 """Weight sync modes end to end on CPU, and the bucket helpers they share (DESIGN §6).
 
 ``nccl`` runs its broadcast group on gloo here: the same code path as NCCL on GPUs, with two
-rollout replicas so the broadcast has more than one receiver. ``disk`` runs as the fallback.
+rollout replicas so the broadcast has more than one receiver. ``ipc_buffer`` shares a
+shared-memory file where a GPU shares a CUDA buffer. ``disk`` runs as the fallback.
 After every step each engine must hold exactly the trainer's weights (checksum).
 """
 
@@ -10,13 +11,16 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
 from arl.config import Config, ConfigError, apply_overrides
 from arl.control.placement import plan_placement
-from arl.engines.weight_transfer import (
+from arl.stats.logger import read_jsonl
+from arl.trainer import run
+from arl.weights.buckets import (
     ALIGN,
     BroadcastGroup,
     BucketLayout,
@@ -29,8 +33,7 @@ from arl.engines.weight_transfer import (
     receive_buckets,
     unflatten_bucket,
 )
-from arl.stats.logger import read_jsonl
-from arl.trainer import run
+from arl.weights.ipc_buffer import SHM_DIR
 from tests.support.tiny_model import make_tiny_model, tiny_run_config
 
 
@@ -65,6 +68,22 @@ def test_nccl_mode_on_gloo_two_engines_match_trainer_every_step(tmp_path, tiny_m
     for r in rows:
         assert r["sync/buckets"] > 1
         assert r["sync/bytes"] > 0
+
+
+def _weight_files() -> set[str]:
+    return {f.name for f in Path(SHM_DIR).glob("arl-weights-*")}
+
+
+def test_ipc_buffer_on_cpu_two_engines_two_ranks_match_trainer_every_step(tmp_path, tiny_model):
+    # The CPU twin of the CUDA buffer: one shared-memory file, mapped once by both engines;
+    # per sync rank 0 fills it from the gathered weights (two ranks) and each engine copies out.
+    before = _weight_files()
+    overrides = ("weight_sync.mode=ipc_buffer", "rollout.backend=hf:d2", "actor.backend=fsdp:d2")
+    cfg = tiny_run_config(tmp_path, tiny_model, *overrides)
+    asyncio.run(run(cfg))
+    rows = _assert_synced_every_step(cfg)
+    assert all(r["sync/bytes"] > 0 for r in rows)
+    assert _weight_files() == before  # the file's name is gone once the engines mapped it
 
 
 def test_disk_mode_matches_trainer_every_step_and_removes_folders(tmp_path, tiny_model):

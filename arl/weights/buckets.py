@@ -1,12 +1,12 @@
-"""Moving full weights between processes without pickle: bucket layouts, a broadcast group of
-its own, and CUDA IPC handles as plain values (DESIGN §6, modes ``nccl`` and ``ipc``).
+"""What the weight-sync plug-ins share: bucket layouts, a broadcast group of their own, and
+CUDA IPC handles as plain values (DESIGN §6).
 
 A *bucket* is a run of consecutive named tensors packed into one contiguous ``uint8`` buffer,
 each at an aligned byte offset. Its `BucketLayout` (names, shapes, dtypes, offsets) is plain
 msgpack-able metadata: the sender fills the buffer with `flatten_bucket`, the buffer crosses
 (an NCCL/gloo broadcast, or a CUDA IPC mapping), and the receiver takes zero-copy views of it
-with `unflatten_bucket` and copies them into its engine. One buffer is reused for every bucket,
-so one bucket is in flight at a time and the extra memory is one bucket, not one model.
+with `unflatten_bucket` and copies them into its engine. The broadcast keeps two buffers, so the
+sender packs bucket i + 1 and each receiver copies bucket i while bucket i + 1 is on the wire.
 """
 
 from __future__ import annotations
@@ -241,11 +241,16 @@ class BroadcastGroup:
 
     def broadcast(self, buffer: torch.Tensor) -> None:
         """Broadcast ``buffer`` from rank 0 into every other rank's ``buffer``, in place."""
+        self.broadcast_async(buffer).wait()
+
+    def broadcast_async(self, buffer: torch.Tensor) -> Any:
+        """Start the broadcast of ``buffer``; returns its ``Work`` (``wait()`` before reusing
+        ``buffer``; on CUDA that orders the current stream after it, the host goes on)."""
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.pg.broadcast([buffer], opts).wait()
+        return self.pg.broadcast([buffer], opts)
 
     def close(self) -> None:
         """End the group (its communicators) and the store."""
@@ -262,12 +267,24 @@ def broadcast_buckets(
     layouts: Sequence[BucketLayout],
     device: torch.device | str,
 ) -> int:
-    """Rank 0: stream ``named`` bucket by bucket through one reused buffer; returns bytes sent."""
-    buffer = new_bucket_buffer(layouts, device)
+    """Rank 0: stream ``named`` bucket by bucket through two alternating buffers; returns bytes
+    sent. Bucket i + 1 is gathered and packed while bucket i is broadcast: a buffer is refilled
+    only once its previous broadcast is done (on CUDA, `Work.wait` orders the streams, the host
+    does not block)."""
+    buffers = [new_bucket_buffer(layouts, device) for _ in range(min(2, len(layouts)))]
+    pending: list[Any] = [None] * len(buffers)
     sent = 0
-    for layout, tensors in iter_buckets(named, layouts):
-        group.broadcast(flatten_bucket(layout, tensors, buffer))
-        sent += layout.nbytes
+    try:
+        for i, (layout, tensors) in enumerate(iter_buckets(named, layouts)):
+            k = i % len(buffers)
+            if pending[k] is not None:
+                pending[k].wait()
+            pending[k] = group.broadcast_async(flatten_bucket(layout, tensors, buffers[k]))
+            sent += layout.nbytes
+    finally:
+        for work in pending:
+            if work is not None:
+                work.wait()
     return sent
 
 
@@ -277,19 +294,28 @@ def receive_buckets(
     device: torch.device | str,
     load: Any,
 ) -> int:
-    """Ranks 1..n: receive every bucket into one reused buffer, handing each bucket's named
-    views to ``load(named) -> int``; returns the tensors loaded.
+    """Ranks 1..n: receive every bucket into two alternating buffers, handing each bucket's
+    named views to ``load(named) -> int``; returns the tensors loaded.
 
-    Every bucket is received even after ``load`` fails, so the sender never hangs; the first
-    failure is raised at the end.
+    The receive of bucket i + 1 is posted before bucket i is loaded, so the copy into the
+    engine overlaps the transfer (NCCL orders its stream after the earlier copies out of the
+    buffer it reuses). Every bucket is received even after ``load`` fails, so the sender never
+    hangs; the first failure is raised at the end.
     """
-    buffer = new_bucket_buffer(layouts, device)
+    buffers = [new_bucket_buffer(layouts, device) for _ in range(min(2, len(layouts)))]
+
+    def post(i: int) -> Any:
+        return group.broadcast_async(buffers[i % len(buffers)][: layouts[i].nbytes])
+
+    works = {0: post(0)} if layouts else {}
     loaded, error = 0, None
-    for layout in layouts:
-        filled = buffer[: layout.nbytes]
-        group.broadcast(filled)
+    for i, layout in enumerate(layouts):
+        if i + 1 < len(layouts):
+            works[i + 1] = post(i + 1)
+        works.pop(i).wait()
         if error is None:
             try:
+                filled = buffers[i % len(buffers)][: layout.nbytes]
                 loaded += load(unflatten_bucket(layout, filled))
             except Exception as e:  # noqa: BLE001 - re-raised once the stream is drained
                 error = e
@@ -310,8 +336,8 @@ def share_cuda_buffer(buffer: torch.Tensor) -> dict:
 
     if buffer.device.type != "cuda":
         raise WeightTransferError(
-            f"CUDA IPC needs a CUDA tensor, got one on {buffer.device}; weight_sync.mode=ipc "
-            "works only with GPUs (use zmq on CPU)"
+            f"CUDA IPC needs a CUDA tensor, got one on {buffer.device}; the ipc weight-sync "
+            "modes work only with GPUs (use zmq on CPU)"
         )
     _, args = reduce_tensor(buffer)
     (
@@ -371,73 +397,6 @@ def open_cuda_buffer(fields: dict) -> torch.Tensor:
     )
 
 
-class CudaIpcSender:
-    """Train rank 0's side of ``ipc``: fills one CUDA bucket buffer per `share` call from a
-    streamed pass over the weights and exports it; the receiver copies and acknowledges (returns)
-    before the next `share` overwrites the buffer."""
-
-    def __init__(
-        self,
-        named: Iterable[tuple[str, torch.Tensor]],
-        layouts: Sequence[BucketLayout],
-        device: torch.device | str,
-    ) -> None:
-        self.device = torch.device(device)
-        if self.device.type != "cuda":
-            raise WeightTransferError(
-                f"weight_sync.mode=ipc needs the trainer on a GPU, it is on {self.device}; "
-                "use zmq or nccl (gloo) on CPU"
-            )
-        self.buckets = iter_buckets(named, layouts)
-        self.buffer: torch.Tensor | None = new_bucket_buffer(layouts, self.device)
-        self.n_buckets, self.next_index = len(layouts), 0
-
-    def share(self, index: int) -> dict:
-        """Fill the buffer with bucket ``index`` (0, 1, ... in order) and export it."""
-        if index != self.next_index or self.buffer is None:
-            raise WeightTransferError(
-                f"bucket {index} asked for, but bucket {self.next_index} of {self.n_buckets} is "
-                "next: buckets are shared in order, each once"
-            )
-        layout, tensors = next(self.buckets)
-        filled = flatten_bucket(layout, tensors, self.buffer)
-        # The receiver reads through its own stream: the bytes must be in place before it maps.
-        torch.cuda.synchronize(self.device)
-        self.next_index += 1
-        return {**share_cuda_buffer(filled), "bucket": index}
-
-    def finish(self) -> None:
-        """Check that every bucket went out, then `release`."""
-        done = self.next_index == self.n_buckets
-        try:
-            if done:
-                next(self.buckets, None)  # runs the "no tensor left over" check
-        finally:
-            self.release()
-        if not done:
-            raise WeightTransferError(
-                f"weight share ended after {self.next_index} of {self.n_buckets} buckets"
-            )
-
-    def release(self) -> None:
-        """Stop the weight pass and free the buffer (once the receivers have let go of it)."""
-        self.buckets.close()
-        self.buffer = None
-        torch.cuda.ipc_collect()
-
-
-def receive_ipc_bucket(fields: dict, layout: BucketLayout, load: Any) -> int:
-    """Map the buffer named by ``fields``, hand its named views to ``load(named) -> int``, and
-    wait for the copies to finish before returning (the return is the acknowledgement)."""
-    buffer = open_cuda_buffer(fields)
-    try:
-        n = load(unflatten_bucket(layout, buffer))
-        torch.cuda.synchronize(buffer.device)
-    finally:
-        del buffer
-    return n
-
-
 def local_cuda_index(uuid: str) -> int:
     """This process's index of the GPU with ``uuid`` (CUDA_VISIBLE_DEVICES renumbers GPUs)."""
     if not torch.cuda.is_available():
@@ -450,6 +409,6 @@ def local_cuda_index(uuid: str) -> int:
         seen.append(u)
     raise WeightTransferError(
         f"GPU {uuid} holding the trainer's buffer is not visible here (visible: {seen}); "
-        "weight_sync.mode=ipc needs the engine on the same GPU as train rank 0 (use nccl for "
-        "separate GPUs)"
+        "the ipc weight-sync modes need the engine on the same GPU as train rank 0 (use nccl "
+        "for separate GPUs)"
     )

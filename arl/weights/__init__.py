@@ -1,0 +1,78 @@
+"""Weight sync plug-ins (DESIGN §6): one module per mode, both of its halves in it.
+
+- ``ipc_buffer``: one persistent buffer shared once by CUDA IPC (a shared-memory file on CPU);
+  per sync two device copies. ``auto`` picks it when every engine is on train rank 0's GPU.
+- ``ipc``: CUDA IPC of one bucket buffer at a time (one bucket of extra memory); never ``auto``.
+- ``nccl``: bucketed broadcast over a group of its own, the transfer overlapped (gloo on CPU).
+  ``auto`` picks it for hf engines on GPUs apart from train rank 0's.
+- ``zmq``: buckets through the data plane (shared memory on one host); ``auto`` on CPU.
+- ``disk``: a safetensors folder per version, reloaded; ``auto`` for server engines.
+
+`check_plan(mode, plan)` resolves ``auto`` and refuses a forced mode the plan cannot run (a
+`ConfigError` naming what to change) before any node starts; `make_weight_sync` builds it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from arl.config import ConfigError
+from arl.weights.base import NodePart, SyncContext, WeightSync, WeightSyncError
+
+if TYPE_CHECKING:
+    from arl.control.placement import NodeSpec
+
+__all__ = [
+    "MODES",
+    "NodePart",
+    "SyncContext",
+    "WeightSync",
+    "WeightSyncError",
+    "check_plan",
+    "make_weight_sync",
+    "sync_class",
+]
+
+# Mode name -> "module:Class" of its controller half, imported when it is asked for.
+MODES: dict[str, str] = {
+    "ipc_buffer": "arl.weights.ipc_buffer:IpcBufferSync",
+    "ipc": "arl.weights.ipc:IpcSync",
+    "nccl": "arl.weights.nccl:NcclSync",
+    "zmq": "arl.weights.zmq:ZmqSync",
+    "disk": "arl.weights.disk:DiskSync",
+}
+
+
+def sync_class(mode: str) -> type[WeightSync]:
+    """The controller half registered as ``mode``."""
+    try:
+        target = MODES[mode]
+    except KeyError:
+        close = difflib.get_close_matches(mode, MODES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(
+            f"weight_sync.mode={mode!r} is not a weight-sync mode{hint}; known: auto, "
+            f"{', '.join(MODES)}"
+        ) from None
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def check_plan(mode: str, plan: Sequence[NodeSpec]) -> str:
+    """The mode to run on ``plan``: ``auto`` resolved by the modes' `suits` in `auto_rank`
+    order; a named mode checked by its `check_plan` (raises `ConfigError`)."""
+    if mode != "auto":
+        sync_class(mode).check_plan(plan)
+        return mode
+    for cls in sorted((sync_class(m) for m in MODES), key=lambda c: c.auto_rank):
+        if cls.suits(plan):
+            return cls.mode
+    raise ConfigError("no weight-sync mode suits this placement plan; set weight_sync.mode")
+
+
+def make_weight_sync(mode: str, plan: Sequence[NodeSpec], ctx: SyncContext) -> WeightSync:
+    """Build the weight sync for ``plan`` (``mode`` may be ``auto``)."""
+    return sync_class(check_plan(mode, plan))(ctx)

@@ -1,0 +1,228 @@
+"""The weight-sync plug-in protocol: new policy weights from the train ranks into every engine.
+
+A mode is one module of `arl.weights` holding both of its halves:
+
+- a `WeightSync` subclass on the controller: `check_plan` (can this mode run on the placement
+  plan? raises `ConfigError` naming what to change, before any node starts), `setup` (once),
+  `stage` (per sync, while rollout still generates), `transfer` (per sync, rollout paused) and
+  `cleanup` (per sync, after resume);
+- `NodePart` subclasses, created by `WeightSync.place` on the nodes beside their worker (the
+  ``train`` or ``rollout`` object) under the name ``weights``, that move the bytes.
+
+The sequence is written once, in `WeightSync.sync`::
+
+    setup (first sync) -> stage -> pause rollout -> transfer -> version + 1 -> resume -> cleanup
+
+What the node halves use of their worker: a train worker's ``rank``, ``full_state()`` (the full
+weights in the sync dtype, collective across ranks) and ``engine.device``/``engine.model``; a
+rollout worker's ``update_weights(named) -> int`` (the engine paused) and ``weights_device``
+(the device of an in-process engine, None for a server engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import attrs
+
+from arl.config import ConfigError, WeightSyncConfig
+
+if TYPE_CHECKING:
+    from arl.control.cluster import Cluster, PlacedNode
+    from arl.control.controller import RemoteObject
+    from arl.control.placement import NodeSpec
+    from arl.control.rollout import RolloutController
+
+
+log = logging.getLogger("arl.weights")
+
+
+class WeightSyncError(RuntimeError):
+    """The weight sync cannot run as configured (e.g. engines disagree on their dtype)."""
+
+
+@attrs.frozen(kw_only=True)
+class SyncContext:
+    """What a weight sync works with: the cluster, the workers, rollout control, its config."""
+
+    cluster: Cluster
+    train: list[RemoteObject]  # train workers, rank order
+    rollout_workers: list[RemoteObject]
+    rollout: RolloutController
+    config: WeightSyncConfig
+    run_path: Path
+    free: Callable[[list], Awaitable[None]]  # frees shard refs on every node
+
+
+class WeightSync:
+    """Controller half of a mode; `sync` runs the pause -> transfer -> version -> resume dance."""
+
+    mode: ClassVar[str] = ""
+    # `auto` picks the first registered mode whose `suits` holds, in this order (lower first).
+    auto_rank: ClassVar[int] = 100
+
+    def __init__(self, ctx: SyncContext) -> None:
+        self.ctx = ctx
+        self.ready = False
+        self._placed: list[list[RemoteObject]] = []  # one list per `place` call
+
+    # ---- the plan ---------------------------------------------------------------------------
+    @classmethod
+    def check_plan(cls, plan: Sequence[NodeSpec]) -> None:
+        """Raise `ConfigError` if this mode cannot run on ``plan``; the default accepts all."""
+
+    @classmethod
+    def suits(cls, plan: Sequence[NodeSpec]) -> bool:
+        """Whether ``weight_sync.mode=auto`` may pick this mode for ``plan``."""
+        try:
+            cls.check_plan(plan)
+        except ConfigError:
+            return False
+        return True
+
+    # ---- one sync ---------------------------------------------------------------------------
+    async def sync(self, version: int) -> dict:
+        """Stage, pause rollout, transfer, resume at ``version``, clean up; returns stats."""
+        t0 = time.monotonic()
+        if not self.ready:
+            await self.setup()
+            self.ready = True
+        stats = dict(await self.stage(version) or {})
+        t1 = time.monotonic()
+        async with self.ctx.rollout.paused(version):
+            stats.update(await self.transfer(version) or {})
+        t2 = time.monotonic()
+        await self.cleanup(version)
+        nbytes = stats.get("sync/bytes")
+        if nbytes:
+            stats["sync/gb_per_s"] = nbytes / max(t2 - t1, 1e-9) / 1e9
+        return {"sync/stage_s": t1 - t0, "sync/paused_s": t2 - t1, **stats}
+
+    async def setup(self) -> None:
+        """Once, before the first sync: by default, tell the train ranks the engines' dtype."""
+        await match_engine_dtype(self.ctx.train, self.ctx.rollout_workers)
+
+    async def stage(self, version: int) -> dict | None:
+        """Per sync, rollout still running: get the weights ready to move."""
+        return None
+
+    async def transfer(self, version: int) -> dict | None:
+        """Per sync, rollout paused: move the weights into every engine."""
+        raise NotImplementedError
+
+    async def cleanup(self, version: int) -> None:
+        """Per sync, after resume: drop what the transfer no longer needs."""
+
+    async def close(self) -> None:
+        """End the node halves this sync placed, the last placed first (receivers let go of
+        what senders share before the senders free it)."""
+        placed, self._placed = self._placed, []
+        for parts in reversed(placed):
+            done = await asyncio.gather(
+                *(p.destroy() for p in parts if not p.node.lost), return_exceptions=True
+            )
+            for e in done:  # the run is ending: say so, and let the other halves close
+                if isinstance(e, Exception):
+                    log.warning("closing a weight-sync part failed: %s", e)
+
+    # ---- helpers ----------------------------------------------------------------------------
+    async def place(self, target: str, nodes: Sequence[PlacedNode], **kwargs: Any) -> list:
+        """Create the node half ``target`` ("arl.weights.mode:Class") on each of ``nodes`` as
+        ``weights``; they are destroyed by `close`."""
+        made = await asyncio.gather(
+            *(p.handle.create(target, name="weights", **kwargs) for p in nodes)
+        )
+        self._placed.append(list(made))
+        return list(made)
+
+
+class NodePart:
+    """Node half of a mode: lives on a node beside its worker (``host``: its object name)."""
+
+    def __init__(self, host: str) -> None:
+        self.host_name = host
+        self.node: Any = None
+        self.host: Any = None
+
+    def attach_node(self, node: Any) -> None:
+        """Called by the node after construction: finds the worker this part serves."""
+        self.node = node
+        try:
+            self.host = node.objects[self.host_name]
+        except KeyError:
+            raise WeightSyncError(
+                f"no {self.host_name!r} worker on node {node.node_id} for the weight sync"
+            ) from None
+
+
+def engine_device(host: Any, mode: str) -> Any:
+    """The device of the rollout worker's in-process engine; refuses server engines."""
+    device = getattr(host, "weights_device", None)
+    if device is None:
+        raise WeightSyncError(
+            f"weight_sync.mode={mode} copies tensors into an in-process engine; this rollout "
+            "worker has none (use the hf engine, or weight_sync.mode=disk)"
+        )
+    return device
+
+
+async def match_engine_dtype(train: list[RemoteObject], workers: list[RemoteObject]) -> None:
+    """Tell the train ranks the engines' weight dtype (from their health), if they report one."""
+    healths = await asyncio.gather(*(w.health() for w in workers))
+    dtypes = sorted({h["dtype"] for h in healths if h.get("dtype")})
+    if len(dtypes) > 1:
+        raise WeightSyncError(
+            f"the rollout engines hold weights in different dtypes {dtypes}; one weight sync "
+            "serves them all, so give every engine the same rollout.dtype"
+        )
+    if dtypes:
+        await asyncio.gather(*(w.set_sync_dtype(dtypes[0]) for w in train))
+
+
+def rendezvous_host(cluster: Cluster) -> str:
+    """The address of train rank 0's node that the other nodes reach (loopback when local)."""
+    if "127.0.0.1" in cluster.controller.address:
+        return "127.0.0.1"
+    return cluster.train[0].handle.info["host"]
+
+
+# ---- plan facts the modes check -------------------------------------------------------------
+def train_rank0(plan: Sequence[NodeSpec]) -> NodeSpec:
+    """Train rank 0's node spec."""
+    return next(n for n in plan if n.role == "train" and n.rank == 0)
+
+
+def server_engines(plan: Sequence[NodeSpec]) -> list[str]:
+    """Rollout engines of the plan that are servers (anything but the in-process hf engine)."""
+    return sorted({n.engine for n in plan if n.role == "rollout"} - {"hf"})
+
+
+def require_inprocess_engines(mode: str, plan: Sequence[NodeSpec]) -> None:
+    """Modes that copy tensors into the engine work with the hf engine only."""
+    engines = server_engines(plan)
+    if engines:
+        raise ConfigError(
+            f"weight_sync.mode={mode} loads weights into the hf engine only, not {engines}; "
+            "use weight_sync.mode=disk (or auto) with server engines"
+        )
+
+
+def engines_on_rank0_gpu(mode: str, plan: Sequence[NodeSpec]) -> None:
+    """CUDA IPC modes: every engine on train rank 0's GPU."""
+    rank0 = train_rank0(plan)
+    if not rank0.gpu_ids:
+        raise ConfigError(
+            f"weight_sync.mode={mode} needs GPUs (CUDA IPC) and none are available; "
+            "use weight_sync.mode=auto, zmq, disk or nccl (gloo) on CPU"
+        )
+    require_inprocess_engines(mode, plan)
+    if any(n.gpu_ids != rank0.gpu_ids for n in plan if n.role == "rollout"):
+        raise ConfigError(
+            f"weight_sync.mode={mode} needs every engine on train rank 0's GPU "
+            f"{list(rank0.gpu_ids)}; use weight_sync.mode=nccl for engines on other GPUs"
+        )

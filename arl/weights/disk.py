@@ -1,0 +1,55 @@
+"""``disk``: an HF safetensors folder per version, reloaded by every engine (server engines too).
+
+The train ranks write ``<run>/weights/v<N>`` (rank 0 writes, atomically); each engine reloads
+it (the hf engine copies it in; SGLang and vLLM reload from the path); the folder is removed
+after. The fallback that works with every engine, and the only mode for server engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import shutil
+
+from arl.weights.base import NodePart, WeightSync
+
+
+class DiskSync(WeightSync):
+    """Controller half: save on the train ranks, reload in every engine, remove the folder."""
+
+    mode = "disk"
+    auto_rank = 40
+
+    async def setup(self) -> None:
+        """Agree on the dtype; place the receivers."""
+        await super().setup()
+        self.directory = self.ctx.run_path / "weights"
+        self.receivers = await self.place(
+            "arl.weights.disk:DiskReceiver", self.ctx.cluster.rollout, host="rollout"
+        )
+
+    async def stage(self, version: int) -> None:
+        """Every train rank takes part in writing the folder of ``version``."""
+        path = str(self.directory / f"v{version}")
+        await asyncio.gather(*(w.save_hf(path) for w in self.ctx.train))
+
+    async def transfer(self, version: int) -> None:
+        """Every engine reloads the folder."""
+        path = str(self.directory / f"v{version}")
+        await asyncio.gather(*(r.load(path) for r in self.receivers))
+
+    async def cleanup(self, version: int) -> None:
+        """Remove the folder (the engines have loaded it)."""
+        shutil.rmtree(self.directory / f"v{version}", ignore_errors=True)
+
+
+class DiskReceiver(NodePart):
+    """Rollout node half: the engine's own reload from a folder."""
+
+    async def load(self, path: str) -> None:
+        """Reload the engine's weights from ``path`` (engine paused); blocking ones off-loop."""
+        fn = self.host.engine.update_weights_from_disk
+        if inspect.iscoroutinefunction(fn):
+            await fn(path)
+        else:
+            await asyncio.get_running_loop().run_in_executor(None, fn, path)
