@@ -13,10 +13,11 @@ The sequence is written once, in `WeightSync.sync`::
 
     setup (first sync) -> stage -> pause rollout -> transfer -> version + 1 -> resume -> cleanup
 
-What the node halves use of their worker: a train worker's ``rank``, ``full_state()`` (the full
-weights in the sync dtype, collective across ranks) and ``engine.device``/``engine.model``; a
-rollout worker's ``update_weights(named) -> int`` (the engine paused) and ``weights_device``
-(the device of an in-process engine, None for a server engine).
+What the node halves use of their worker: a train worker's ``rank``, ``engine.device``,
+``full_state()`` (the full weights in the sync dtype, collective across ranks),
+``weight_specs()``, ``weight_sources()`` (one rank: views, no gather) and ``tied_weights()``; a
+rollout worker's ``update_weights(named) -> int`` (the engine paused), ``weights_device`` (the
+device of an in-process engine, None for a server engine) and ``engine`` (disk reloads).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import mmap
 import os
 import secrets
 import sys
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -123,6 +124,8 @@ class BufferSender(NodePart):
         else:
             self.buffer, handle = _new_shared_file(layout.nbytes)
             self._shm_path = handle["file"]
+            # Unlinked once mapped (`opened`); this covers a node that exits before that.
+            weakref.finalize(self, _unlink_quietly, self._shm_path)
         self.views = dict(unflatten_bucket(layout, self.buffer))
         return {"layout": layout.to_wire(), "tied": tied, "handle": handle}
 
@@ -130,7 +133,7 @@ class BufferSender(NodePart):
         """Every engine has mapped the buffer: a shared file needs no name any more."""
         path, self._shm_path = self._shm_path, None
         if path:
-            os.unlink(path)
+            _unlink_quietly(path)
 
     def stage(self) -> None:
         """Cast the current weights into the buffer and wait for the copy (every rank calls)."""
@@ -224,6 +227,13 @@ def _new_shared_file(nbytes: int) -> tuple[torch.Tensor, dict]:
     finally:
         os.close(fd)
     return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes], {"file": path}
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _map_shared_file(path: str, nbytes: int) -> torch.Tensor:
