@@ -263,7 +263,14 @@ class WeightSyncConfig:
     )
     bucket_bytes: int = _f(256 * MiB, "bytes of parameters sent per bucket")
     verify: bool = _f(
-        False, "after each sync compare engine and trainer weight checksums (slow; for tests)"
+        False,
+        "after each sync check that every engine holds the trainer's weights: checksums for hf, "
+        "for servers the log-probs of a probe sequence (slow; for tests)",
+    )
+    verify_tolerance: float = _f(
+        0.1,
+        "verify, server engines: largest mean |log-prob difference| per probe token (a bf16 "
+        "server against an fp32 trainer differs by ~0.05 with the same weights)",
     )
 
 
@@ -587,6 +594,7 @@ def _validation_problems(cfg: Config) -> list[str]:
         f"use data.batch_size >= {train_dp} (a multiple of it balances best) or fewer ranks",
     )
     positive("data.batch_size", "data.max_prompt_len", "weight_sync.bucket_bytes")
+    positive("weight_sync.verify_tolerance")
     positive("saver.freq_steps", optional=True)
     positive("recover.freq_steps")
     check("recover.retries", cfg.recover.retries >= 0, "must be >= 0 (0: never restart)")

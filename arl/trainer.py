@@ -31,13 +31,19 @@ from arl.control.rollout import RolloutController
 from arl.control.rtensor import RTensor, ShardRef
 from arl.control.staleness import StalenessSemaphore
 from arl.data.loader import StatefulLoader
-from arl.engines.spec import engine_spec
+from arl.engines.spec import SERVER_ENGINES, engine_spec
 from arl.node.daemon import resolve_import
 from arl.stats.logger import StatsLogger
 from arl.stats.trace import Tracer
-from arl.weights import SyncContext, WeightSync, make_weight_sync
+from arl.weights import SyncContext, WeightSync, WeightSyncError, make_weight_sync
 
 log = logging.getLogger("arl.trainer")
+
+# What server engines and the trainer both score after a sync (`PPOTrainer.verify_weights`).
+PROBE_MESSAGES = [
+    {"role": "user", "content": "What is 12 * 7? Put the answer in \\boxed{}."},
+    {"role": "assistant", "content": "12 * 7 = 84, so the answer is \\boxed{84}."},
+]
 
 
 async def run(cfg: Config, run_id: str | None = None) -> None:
@@ -144,6 +150,8 @@ class PPOTrainer:
         self.last_metrics: dict = {}
         self.last_eval: tuple[int, dict] | None = None  # (step, eval metrics)
         self.tracer = Tracer(cfg.run_path / "trace.json" if cfg.stats.trace else None)
+        self.model_path = ""  # resolved in setup
+        self._probe: list[int] | None = None  # verify_weights' probe sequence
 
     # ---- setup ------------------------------------------------------------------------------
     async def setup(self, data: tuple[list[dict], list[dict]] | None = None) -> None:
@@ -154,6 +162,7 @@ class PPOTrainer:
         from arl.engines.model import resolve_model
 
         model_path = await loop.run_in_executor(None, resolve_model, cfg.actor.path)
+        self.model_path = model_path
         if data is None:
             data = await loop.run_in_executor(None, load_data, cfg)
         rows, self.eval_rows = data
@@ -328,10 +337,54 @@ class PPOTrainer:
         return out
 
     async def verify_weights(self) -> dict:
-        """Compare every engine's weight checksum with the trainer's (after a sync)."""
-        want = (await self._all("weights_checksum"))[0]
-        got = await asyncio.gather(*(w.weights_checksum() for w in self.rollout_workers))
-        return {"sync/checksum_match": all(g == want for g in got), "sync/checksum": want}
+        """After a sync, check that every engine holds the trainer's weights.
+
+        Engines that checksum their weights (hf) must match the trainer's checksum exactly.
+        Server engines cannot, so they score a fixed probe sequence and the trainer scores it
+        too: their mean absolute log-prob difference must stay within
+        ``weight_sync.verify_tolerance`` (bf16 kernels differ a little; stale weights a lot
+        more). Raises `WeightSyncError` naming the engine that fails.
+        """
+        out: dict = {}
+        pairs = list(zip(self.cluster.rollout, self.rollout_workers, strict=True))
+        local = [w for p, w in pairs if p.spec.engine not in SERVER_ENGINES]
+        servers = [(p, w) for p, w in pairs if p.spec.engine in SERVER_ENGINES]
+        if local:
+            want = (await self._all("weights_checksum"))[0]
+            got = await asyncio.gather(*(w.weights_checksum() for w in local))
+            out.update({"sync/checksum_match": all(g == want for g in got), "sync/checksum": want})
+        if servers:
+            probe = await self._probe_tokens()
+            ranks = len(self.train_workers)
+            want_lp = (await self._all("score", [[probe]] * ranks))[0]
+            got_lps = await asyncio.gather(*(w.score(probe) for _, w in servers))
+            tol = self.cfg.weight_sync.verify_tolerance
+            diffs = []
+            for (p, _), got in zip(servers, got_lps, strict=True):
+                diff = sum(abs(a - b) for a, b in zip(got, want_lp, strict=True)) / len(want_lp)
+                diffs.append(diff)
+                if diff > tol:
+                    raise WeightSyncError(
+                        f"after the sync to version {self.version}, the {p.spec.engine} engine "
+                        f"of node {p.handle.node_id} scores the probe sequence {diff:.3f} nats "
+                        f"per token away from the trainer (weight_sync.verify_tolerance={tol}): "
+                        "it does not generate with the weights it was sent"
+                    )
+            out["sync/probe_mean_abs_diff"] = max(diffs)
+        return out
+
+    async def _probe_tokens(self) -> list[int]:
+        """A fixed chat exchange in the policy's own template, as token ids (built once)."""
+        if self._probe is None:
+            from transformers import AutoTokenizer
+
+            def build() -> list[int]:
+                tok = AutoTokenizer.from_pretrained(self.model_path)
+                text = tok.apply_chat_template(PROBE_MESSAGES, tokenize=False)
+                return list(tok(text, add_special_tokens=False)["input_ids"])
+
+            self._probe = await asyncio.get_running_loop().run_in_executor(None, build)
+        return self._probe
 
     async def _all(self, method: str, args: list[list] | None = None) -> list:
         """Call ``method`` on every train rank at once (they run collectives together), within
@@ -414,6 +467,9 @@ class PPOTrainer:
             "rollout/gen_tokens": sum(i["n_gen_tokens"] for i in infos),
             "rollout/staleness": staleness,
             "rollout/staleness_max": max(staleness, default=0),
+            # Groups whose tokens come from more than one policy version (a sync interrupted
+            # them and they went on under the new weights).
+            "rollout/version_switches": sum(i["max_version"] > i["min_version"] for i in infos),
             "rollout/submitted": s.submitted,
             "rollout/accepted": s.accepted,
             "rollout/failed": s.failed,

@@ -258,6 +258,10 @@ class RolloutWorker:
         """The engine's weight checksum (tests compare it with the trainer's)."""
         return await asyncio.get_running_loop().run_in_executor(None, self.engine.weights_checksum)
 
+    async def score(self, token_ids: list[int]) -> list[float]:
+        """The server engine's log-probs of ``token_ids[1:]`` (weight verification)."""
+        return await self.engine.score(token_ids)
+
     async def health(self) -> dict:
         """Engine health plus this worker's counters."""
         h = await self.engine.health()

@@ -148,6 +148,15 @@ class TrainWorker:
         """Checksum of the full weights, comparable with an inference engine's."""
         return checksum_named_tensors(self.full_state())
 
+    def score(self, token_ids: list[int]) -> list[float]:
+        """Log-probs of ``token_ids[1:]`` under the current weights, each given the tokens
+        before it (every rank calls it together: the sharded forward gathers)."""
+        model = self.engine.model
+        ids = torch.tensor([token_ids], device=self.engine.device)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, :-1].float()
+        return torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0].tolist()
+
     # ---- recovery ---------------------------------------------------------------------------
     def save_state(self, path: str) -> None:
         """Model and optimizer state through torch.distributed.checkpoint (sharded)."""

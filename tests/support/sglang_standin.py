@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import inspect
 import logging
+import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,8 @@ import torch
 from aiohttp import web
 
 log = logging.getLogger("sglang_standin")
+# Set: /update_weights_from_disk answers success and loads nothing (a server that drops updates).
+IGNORE_UPDATES_ENV = "ARL_STANDIN_IGNORE_WEIGHT_UPDATES"
 
 _SAMPLING_KEYS = {
     "max_new_tokens": int,
@@ -258,6 +261,9 @@ class StandinServer:
                 state["abort"] = True
         # SGLang takes the model-update writer lock: running requests finish first.
         await self.drained.wait()
+        if IGNORE_UPDATES_ENV in os.environ:  # a broken server, for tests of verification
+            log.warning("%s is set: answering success without loading", IGNORE_UPDATES_ENV)
+            return {"success": True, "message": "Succeeded to update model weights."}, 200
         try:
             await self.run(self._load_from_disk, body["model_path"])
         except Exception as exc:  # noqa: BLE001 - reported to the client like SGLang does

@@ -1,0 +1,139 @@
+"""Server engines through the whole loop: the trainer starts them from ``rollout.backend``,
+syncs weights into them, and verifies after every sync that they generate with those weights.
+
+SGLang runs against the stand-in (tests/support/sglang_standin.py: a real transformers model
+behind SGLang's HTTP API), started by the trainer as ``python -m sglang.launch_server`` through
+the shim package in tests/support/standin_path. vLLM runs for real on CPU (marker ``server``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from arl.stats.logger import read_jsonl
+from arl.trainer import run
+from arl.weights import WeightSyncError
+from tests.support.sglang_standin import IGNORE_UPDATES_ENV
+from tests.support.tiny_model import make_tiny_model, tiny_run_config
+
+REPO = Path(__file__).resolve().parents[2]
+SHIM = REPO / "tests" / "support" / "standin_path"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+@pytest.fixture
+def standin_env(monkeypatch):
+    """Nodes (and the servers they start) find the stand-in as `sglang`."""
+    path = os.pathsep.join(filter(None, [str(SHIM), str(REPO), os.environ.get("PYTHONPATH")]))
+    monkeypatch.setenv("PYTHONPATH", path)
+    return monkeypatch
+
+
+def _sglang_config(tmp_path: Path, model: str):
+    return tiny_run_config(
+        tmp_path,
+        model,
+        "rollout.backend=sglang:d1",
+        f"rollout.server_python={sys.executable}",
+        "rollout.server_start_timeout=300",
+        "gconfig.max_new_tokens=24",
+        # Rewards that differ within a group, so every step really changes the weights.
+        "rollout.reward=tests.support.deterministic:vowel_reward",
+        "cluster.allowed_import_prefixes=[arl,tests]",
+    )
+
+
+def test_sglang_through_the_trainer_generates_with_every_synced_version(
+    tmp_path, tiny_model, standin_env
+):
+    cfg = _sglang_config(tmp_path, tiny_model)
+    asyncio.run(run(cfg))
+    rows = read_jsonl(cfg.run_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert any(r["train/grad_norm"] > 0 for r in rows)
+    for r in rows:
+        assert r["version"] == r["step"]
+        # The server's log-probs of the probe match the trainer's after each sync.
+        assert r["sync/probe_mean_abs_diff"] <= cfg.weight_sync.verify_tolerance
+        assert r["rollout/staleness_max"] <= 1
+
+
+def test_a_server_that_drops_weight_updates_stops_the_run(tmp_path, tiny_model, standin_env):
+    standin_env.setenv(IGNORE_UPDATES_ENV, "1")
+    cfg = _sglang_config(tmp_path, tiny_model)
+    with pytest.raises(WeightSyncError, match="does not generate with the weights it was sent"):
+        asyncio.run(run(cfg))
+
+
+def _vllm_config(tmp_path: Path, python: str, *overrides: str):
+    from arl.engines.model import resolve_model
+
+    return tiny_run_config(
+        tmp_path,
+        resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct"),
+        "rollout.backend=vllm:d1",
+        f"rollout.server_python={python}",
+        "rollout.server_args=[--max-model-len,2048]",
+        "rollout.server_start_timeout=1500",
+        "rollout.dtype=bfloat16",
+        "gconfig.max_new_tokens=96",
+        "gconfig.n_samples=4",
+        "actor.max_tokens_per_mb=2048",
+        "cluster.heartbeat_timeout=120",
+        *overrides,
+    )
+
+
+def _vllm_python() -> str | None:
+    explicit = os.environ.get("ARL_VLLM_PYTHON")
+    venv = REPO / ".venv-vllm" / "bin" / "python"
+    return explicit or (str(venv) if venv.exists() else None)
+
+
+@pytest.mark.server
+@pytest.mark.timeout(2400)
+def test_vllm_through_the_trainer_generates_with_every_synced_version(tmp_path, monkeypatch):
+    """A real vLLM server on CPU, SmolLM2-135M-Instruct, 3 steps at eta = 1, disk weight sync:
+    after every sync the server scores the probe as the trainer does."""
+    python = _vllm_python()
+    if python is None:
+        pytest.skip("no vLLM virtualenv: run `.ci/install-vllm` or set ARL_VLLM_PYTHON")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # the node's env reaches its server
+    cfg = _vllm_config(tmp_path, python, "actor.lr=1e-5")
+    asyncio.run(run(cfg))
+    rows = read_jsonl(cfg.run_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["version"] == r["step"] and r["rollout/staleness_max"] <= 1
+        assert r["sync/probe_mean_abs_diff"] <= cfg.weight_sync.verify_tolerance
+    print("probe diffs", [r["sync/probe_mean_abs_diff"] for r in rows])
+    print("version switches", [r["rollout/version_switches"] for r in rows])
+
+
+@pytest.mark.server
+@pytest.mark.timeout(2400)
+def test_vllm_verification_fails_when_a_sync_moves_no_weights(tmp_path, monkeypatch):
+    """The same run with the disk sync's transfer made a no-op (weights saved, never loaded)
+    and a learning rate that moves the policy in one step: the first verification fails."""
+    python = _vllm_python()
+    if python is None:
+        pytest.skip("no vLLM virtualenv: run `.ci/install-vllm` or set ARL_VLLM_PYTHON")
+    from arl.weights.disk import DiskSync
+
+    async def no_transfer(self, version: int) -> None:
+        return None
+
+    monkeypatch.setattr(DiskSync, "transfer", no_transfer)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    cfg = _vllm_config(tmp_path, python, "actor.lr=1e-3", "experiment.total_train_steps=2")
+    with pytest.raises(WeightSyncError, match="after the sync to version 1, the vllm engine"):
+        asyncio.run(run(cfg))
