@@ -26,6 +26,7 @@ from typing import Any
 
 import zmq
 
+from arl.protocol.stall import watchdog_identity
 from arl.wire.codec import (
     Message,
     WireError,
@@ -389,8 +390,6 @@ class Controller:
 
     def _on_stall_report(self, identity: bytes, report: Any) -> None:
         """A node's watchdog says that node's event loop is blocked, and where."""
-        from arl.node.daemon import watchdog_identity
-
         node_id = report.get("node_id") if isinstance(report, dict) else None
         node = self.nodes.get(node_id) if isinstance(node_id, str) else None
         if (

@@ -183,7 +183,7 @@ class RolloutController:
             with self.tracer.span(worker.node.node_id, "generate", key=key, v=version) as span:
                 info = await worker.run_group(key, row)
                 ref = check_group_report(info, worker.node.node_id, key)
-                span["tokens"] = info["n_gen_tokens"]
+                span["tokens"] = info.get("n_gen_tokens", 0)
             self._consecutive_failures = 0
             self.stats.rejected_samples += int(info.get("failed_samples", 0))
             if ref is None:  # the workflow rejected the row: no shard was stored

@@ -32,7 +32,6 @@ import os
 import signal
 import socket
 import sys
-import sysconfig
 import threading
 import time
 import traceback
@@ -42,6 +41,7 @@ import zmq
 
 from arl.protocol.imports import ImportRefused as ImportRefused  # re-exported for callers
 from arl.protocol.imports import resolve_import
+from arl.protocol.stall import stall_report, watchdog_identity
 from arl.wire.codec import (
     Message,
     WireError,
@@ -58,33 +58,6 @@ DEFAULT_PREFIXES = ("arl.",)
 
 
 _TICK_S = 0.1
-_LIBRARY_DIRS = tuple(
-    {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-)
-
-
-def watchdog_identity(node_id: str) -> bytes:
-    """The routing id of a node's watchdog socket (the controller checks it)."""
-    return f"{node_id}/watchdog".encode()
-
-
-def stall_report(thread_id: int, blocked: float) -> dict:
-    """Where thread ``thread_id`` is now: its innermost frame outside the standard library and
-    installed packages (the code that blocks), and its whole stack."""
-    frame = sys._current_frames().get(thread_id)
-    frames = traceback.extract_stack(frame) if frame is not None else []
-    own = [f for f in frames if not f.filename.startswith(_LIBRARY_DIRS)]
-    top = (own or frames or [None])[-1]
-    where = "an unknown place"
-    if top is not None:
-        where = f"{top.name} at {top.filename}:{top.lineno}"
-        if top.line:
-            where += f" ({top.line.strip()})"
-    return {
-        "seconds": round(blocked, 1),
-        "where": where,
-        "stack": "".join(traceback.format_list(frames)),
-    }
 
 
 def error_payload(exc: BaseException) -> dict:

@@ -6,8 +6,9 @@ A string resolves only to an object *defined* in a module under an allowed prefi
   never ``arlfoo``;
 - the module is checked before it is imported, so a refused module's code never runs;
 - every step of the attribute path must itself be defined under a prefix (a module's
-  ``__name__``, any other object's ``__module__``), so ``arl.control.launcher:shutil.rmtree``
-  is refused although ``arl.control.launcher`` is allowed: ``shutil`` is only imported there;
+  ``__name__``, any other object's ``__module__``; an instance counts as defined where its
+  class is), so ``arl.control.launcher:shutil.rmtree`` is refused although
+  ``arl.control.launcher`` is allowed: ``shutil`` is only imported there;
 - names are plain identifiers; dunder steps (``__globals__``, ``__main__``) are refused.
 
 The launcher (config validation) and the nodes call the same `resolve_import`.

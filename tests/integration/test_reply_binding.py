@@ -22,8 +22,14 @@ from arl.data.loader import StatefulLoader
 from arl.wire.codec import Message, decode_message, encode_message
 from arl.wire.sockets import make_socket
 from tests.support.cluster import local_cluster
+from tests.support.tiny_model import make_tiny_model
 
 N_FORGED = 3000
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
 async def _forger(ctl, n: int) -> int:
@@ -111,3 +117,51 @@ def test_a_reply_of_the_wrong_shape_stops_rollout_naming_the_node(answer, why):
     assert str(err).startswith(f"node {node_id} answered rollout.run_group('g0') with an unex")
     assert why in str(err)
     assert stats.bad_replies == 1
+
+
+def test_rollout_groups_survive_a_forger_and_every_shard_is_freed(tiny_model):
+    """The issue's case: forged ``ok`` replies used to complete a pending run_group of the rollout
+    node, whose group was then dropped and its shard never freed."""
+    rows = make_arith(4, seed=0, split="train")
+
+    async def main():
+        async with local_cluster(1, heartbeat_timeout=30) as (ctl, (node,), _p):
+            worker = await node.create(
+                "arl.node.rollout:RolloutWorker",
+                name="rollout",
+                model_path=tiny_model,
+                reward="arl.rewards.arith:arith_reward",
+                sampling={"max_new_tokens": 8},
+                n_samples=2,
+                max_prompt_len=128,
+            )
+            await worker.setup()
+
+            async def free(refs):
+                await node.call("free", {"keys": [r.key for r in refs]})
+
+            rollout = RolloutController(
+                [worker],
+                StatefulLoader(rows, 1, shuffle=False),
+                StalenessSemaphore(4, 0, 4),
+                peers={node.node_id: node.info["data_addr"]},
+                free=free,
+            )
+            rollout.start()
+            try:
+                forger = asyncio.create_task(_forger(ctl, N_FORGED))
+                batch, infos = await asyncio.wait_for(rollout.prepare_batch(4, 0), 120)
+                await forger
+            finally:
+                await rollout.stop()
+            held = (await node.call("ping"))["n_shards"]
+            await free(list(batch.refs))
+            left = (await node.call("ping"))["n_shards"]
+            return batch, infos, rollout.stats, held, left, ctl.misrouted
+
+    batch, infos, stats, held, left, misrouted = asyncio.run(main())
+    assert [r.key for r in batch.refs] == ["g0", "g1", "g2", "g3"]
+    assert all(len(i["rewards"]) == 2 for i in infos)
+    assert (stats.accepted, stats.failed, stats.bad_replies) == (4, 0, 0)
+    assert misrouted > 0
+    assert (held, left) == (4, 0)

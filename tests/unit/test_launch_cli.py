@@ -47,6 +47,7 @@ def test_dry_run_plan_follows_backend_overrides():
         "rollout.backend=sglang:d2t2",
         "actor.backend=fsdp:d4",
         "cluster.n_gpus=8",
+        "data.batch_size=8",  # the recipe's CPU batch (2) is fewer groups than 4 train ranks
     )
     assert r.returncode == 0, r.stderr
     assert "6 nodes on 8 GPUs" in r.stdout
