@@ -6,6 +6,8 @@ could; here they become one `InputError` naming the setting, the file and what t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from arl.config import Config
 
 
@@ -45,6 +47,10 @@ def check_data(cfg: Config) -> None:
         except (ValueError, OSError, ImportError, LookupError) as e:
             # ValueError covers the loaders' DatasetError; other exceptions are bugs in a loader
             # and keep their traceback.
+            local = Path(cfg.data.path).expanduser()
+            if cfg.data.path.startswith(("/", ".", "~")) and not local.exists():
+                # A loader may read a missing local path as a hub id and say so confusingly.
+                raise InputError(f"{where}: {local} does not exist") from e
             hint = ""
             if isinstance(e, OSError):
                 hint = f"; set data.path to a folder holding {split}.jsonl, or a hub dataset id"

@@ -281,10 +281,14 @@ def _ensure_dir(folder: Path, what: str, setting: str) -> None:
 def _unwritable(path: Path, e: OSError, setting: str, what: str = "") -> str:
     why = e.strerror or str(e)
     if e.errno == errno.EROFS:
-        why += " (a read-only mount)"
-    where = f" {e.filename}" if e.filename and str(e.filename) != str(path) else ""
+        why = f"{path} is on a read-only mount"
+    elif e.errno == errno.ENOTDIR:
+        blocker = next((p for p in [path, *path.parents] if p.is_file()), None)
+        why = f"{blocker or e.filename} is a file, not a folder"
+    elif e.filename and str(e.filename) != str(path):
+        why += f": {e.filename}"
     return (
-        f"{path} is not writable ({why}{where}); the run writes {what or 'its files'} there and "
+        f"{path} is not writable ({why}); the run writes {what or 'its files'} there and "
         f"would fail only later. Make it writable, or change {_elsewhere(setting)}"
     )
 

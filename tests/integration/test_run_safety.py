@@ -210,7 +210,7 @@ def test_an_unwritable_checkpoints_folder_is_refused_before_any_node_starts(
     line = _error_line(r.stderr)
     assert str(ckpts) in line and "the trained model" in line, line
     if how == "read-only mount":
-        assert "Read-only file system" in line
+        assert "is on a read-only mount" in line
     assert "arl.controller" not in r.stderr  # no node was started
     assert not (ckpts.parent / "metrics.jsonl").exists()
 
@@ -247,6 +247,7 @@ def test_a_missing_data_folder_is_one_error_line_naming_the_setting(tmp_path, ti
     assert r.returncode == 2, r.stderr[-3000:]
     line = _error_line(r.stderr)
     assert f"data.path={tmp_path / 'no such data'} (split 'train'" in line, line
+    assert line.endswith(f"{tmp_path / 'no such data'} does not exist"), line
     assert not (tmp_path / "safe").exists()
 
 

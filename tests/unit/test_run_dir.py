@@ -153,7 +153,7 @@ def test_a_read_only_mount_under_the_run_is_found_before_launch(tmp_path):
     finally:
         subprocess.run(["umount", str(ckpts)], check=True)
     message = str(info.value)
-    assert f"{ckpts} is not writable (Read-only file system (a read-only mount)" in message
+    assert f"{ckpts} is not writable ({ckpts} is on a read-only mount)" in message
 
 
 def test_metrics_rows_carry_the_run_id(tmp_path):
