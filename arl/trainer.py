@@ -325,17 +325,27 @@ class PPOTrainer:
     async def train_step(self, batch: RTensor) -> dict:
         """One PPO update over ``batch`` on every train rank; returns averaged statistics."""
         cfg = self.cfg
+        t0 = time.monotonic()
         parts, _ = dispatch(batch, len(self.train_workers))
-        await self._all("load_batch", [[p.to_wire()] for p in parts])
+        loaded = await self._all("load_batch", [[p.to_wire()] for p in parts])
+        t1 = time.monotonic()
         if cfg.actor.use_decoupled_loss:
             await self._all("compute_logp")
         if cfg.actor.kl_ctl > 0:
             await self._all("compute_ref_logp")
+        t2 = time.monotonic()
         await self._all("compute_advantages")
         per_rank = await self._all("ppo_update")
         await self._all("end_step")
         n = len(per_rank)
         out = {f"train/{k}": sum(float(r[k]) for r in per_rank) / n for k in per_rank[0]}
+        out["batch/n_tokens"] = sum(r["n_tokens"] for r in loaded)
+        out["batch/n_seqs"] = sum(r["n_seqs"] for r in loaded)
+        # The phases of train_s: pulling and concatenating the shards, the log-prob passes
+        # (proximal and reference), advantages plus the update.
+        out["time/load_batch_s"] = t1 - t0
+        out["time/logp_s"] = t2 - t1
+        out["time/update_s"] = time.monotonic() - t2
         if out.get("train/skipped"):  # every rank skips together: the norm is global
             log.warning(
                 "step %d: %d of %d optimizer steps skipped, the gradient norm was not finite "

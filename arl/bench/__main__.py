@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "broadcast bus bandwidth (NCCL on GPUs, gloo on CPU): the floor of nccl weight sync",
     ),
     "gpu": ("arl.bench.gpu", "GPU decode, training and weight-sync figures beside their floors"),
+    "loop": ("arl.bench.loop", "a recipe's RL step phase by phase beside its floors, profiled"),
 }
 
 

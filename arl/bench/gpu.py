@@ -54,37 +54,42 @@ SMOLLM2_135M = dict(
 )
 
 
-def _sync() -> None:
-    torch.cuda.synchronize()
+def _sync(device: str = "cuda") -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
-def _time_cuda(fn: Any, reps: int) -> float:
+def _time_cuda(fn: Any, reps: int, device: str = "cuda") -> float:
     """Median seconds of ``fn()`` over ``reps`` runs, after one warm-up."""
     fn()
-    _sync()
+    _sync(device)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        _sync()
+        _sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
 # ---- floors ---------------------------------------------------------------------------------
-def measure_floors() -> dict[str, float]:
-    """HBM bandwidth (bytes read + written per second) and bf16 matmul FLOP/s on this GPU."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+def measure_floors(device: str = "cuda") -> dict[str, float]:
+    """Memory bandwidth (bytes read + written per second, a copy of 1 GiB) and matmul FLOP/s
+    (bf16 8192^3 on a GPU; fp32 1024^3 on a CPU, where training runs in fp32) on ``device``."""
+    on_gpu = torch.device(device).type == "cuda"
+    size, n, dtype = (1 << 30, 8192, torch.bfloat16) if on_gpu else (1 << 27, 1024, torch.float32)
+    src = torch.empty(size, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    t_copy = _time_cuda(lambda: dst.copy_(src), 10)
+    t_copy = _time_cuda(lambda: dst.copy_(src), 10 if on_gpu else 3, device)
     src = dst = None
-    n = 8192
-    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    t_mm = _time_cuda(lambda: a @ b, 10)
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    t_mm = _time_cuda(lambda: a @ b, 10 if on_gpu else 3, device)
     a = b = None
-    torch.cuda.empty_cache()
-    return {"hbm_bytes_s": 2 * (1 << 30) / t_copy, "bf16_flops": 2 * n**3 / t_mm}
+    if on_gpu:
+        torch.cuda.empty_cache()
+    key = "bf16_flops" if on_gpu else "fp32_flops"
+    return {"hbm_bytes_s": 2 * size / t_copy, key: 2 * n**3 / t_mm, "matmul_flops": 2 * n**3 / t_mm}
 
 
 # ---- the model ------------------------------------------------------------------------------
