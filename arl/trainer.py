@@ -190,8 +190,15 @@ class PPOTrainer:
             discount = {"turn_discount": cfg.rollout.turn_discount}
             agent = {"agent": cfg.rollout.agent, "workflow_kwargs": {**trajectory, **discount}}
 
+        n_engines = max(1, len(self.cluster.rollout))
+
         async def one(p: Any) -> RemoteObject:
             kw = {"device": p.device, "dtype": cfg.rollout.dtype, "seed": cfg.experiment.seed}
+            # Room for every sequence the staleness semaphore lets run at once, split over the
+            # engines (the default of 64 rows serialised gsm8k's 512 concurrent samples).
+            per_engine = -(-cfg.max_concurrent_rollouts * cfg.gconfig.n_samples // n_engines)
+            kw["max_batch_size"] = max(1, min(512, per_engine))
+            kw["max_seq_len"] = cfg.data.max_prompt_len + cfg.gconfig.max_new_tokens + 1
             if engine != "arl.engines.hf:HFEngine":
                 kw = {
                     "python": cfg.rollout.server_python,

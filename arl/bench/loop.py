@@ -15,7 +15,7 @@ trained groups), the mean batch each decode step really ran, and the share of wa
 engines were busy. One step (``--profile-step``) is recorded with torch.profiler on every train
 rank, from its ``load_batch`` to the next one: the top ops, a Chrome trace, and the per-step time
 not covered by train-rank device work, the rollout wait or the weight sync (the fixed overhead).
-That step is left out of the medians (profiling slows it).
+That step and the next (where its files are written) are left out of the medians.
 
 Without a GPU a small preset (2 groups x 2 samples x 8 tokens, no evaluation) runs first so CI
 can smoke-test it; overrides come last and win. ``--out FILE`` writes the figures as JSON.
@@ -102,6 +102,7 @@ async def run_loop(cfg: Config, profile_step: int, profile_dir: Path) -> dict:
         try:
             await trainer.setup()
             startup = time.monotonic() - t0
+            info = await trainer.train_workers[0].info()
             if profile_step:
                 await asyncio.gather(
                     *(w.arm_profile(profile_step, str(profile_dir)) for w in trainer.train_workers)
@@ -115,7 +116,7 @@ async def run_loop(cfg: Config, profile_step: int, profile_dir: Path) -> dict:
             samples.append((time.time(), await _healths(trainer)))
         finally:
             await trainer.close()
-    return {"startup_s": startup, "samples": samples}
+    return {"startup_s": startup, "samples": samples, "train_info": info}
 
 
 async def _healths(trainer: Any) -> list[dict]:
@@ -165,7 +166,9 @@ def summarize(
     """The figures of one run: phases beside floors, rollout, training, the fixed overhead."""
     if len(rows) < 2:
         raise ValueError("the loop figures need at least 2 steps (step 1 is the warm-up)")
-    steady = [r for r in rows[1:] if r["step"] != profile_step] or rows[1:]
+    # The profiler slows its step, and writing its files lands in the next one.
+    profiled = (profile_step, profile_step + 1) if profile else ()
+    steady = [r for r in rows[1:] if r["step"] not in profiled] or rows[1:]
     peak, bw = floors["matmul_flops"], floors["hbm_bytes_s"]
     tokens = statistics.median(r["batch/n_tokens"] for r in steady)
     weight_bytes = rows[-1].get("sync/bytes") or 2 * n_params
@@ -316,10 +319,16 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "floors": floors,
         "startup_s": run["startup_s"],
+        "train_info": run["train_info"],
         "profile_dir": str(profile_dir) if profile else None,
         "per_step": [{k: r.get(k) for k in ("step", "time/step_s", *STEP_KEYS)} for r in rows],
     }
     print()
+    info = run["train_info"]
+    print(
+        f"start-up {run['startup_s']:.1f} s (train layout {info['layout']}, compile "
+        f"{info['compile_s']:.1f} s of it)"
+    )
     print(report(m, floors))
     top = profile_dir / "top_ops_rank0.txt"
     if top.exists():

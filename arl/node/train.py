@@ -79,6 +79,11 @@ class TrainWorker:
         self.weight_group: BroadcastGroup | None = None
         self.ipc_sender: CudaIpcSender | None = None
 
+    def info(self) -> dict:
+        """The layout and micro-batch settings this rank resolved, and its compile start-up."""
+        e = self.engine
+        return {"layout": e.layout, "compile_s": e.compile_s, "device": str(e.device)}
+
     def attach_node(self, node: Any) -> None:
         """Called by the node after construction: gives access to its shard store."""
         self.node = node
