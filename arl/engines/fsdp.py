@@ -108,7 +108,8 @@ def _logp_entropy(
             out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
         logp, ent = out.logits.unbind(-1)
         starts = position_ids == 0
-        return torch.where(starts, 0.0, logp), torch.where(starts, 0.0, ent)
+        # The entropy is a statistic, as in token_logp_entropy: no gradient.
+        return torch.where(starts, 0.0, logp), torch.where(starts, 0.0, ent.detach())
     logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs).logits
     return token_logp_entropy(logits, input_ids, position_ids, temperature)
 
@@ -388,10 +389,11 @@ class FSDPEngine:
 
     def _warm_up_compiled(self) -> float:
         """Compile the layers now, not in the first step: a forward with backward and one
-        without, on two packed shapes (so the token count compiles as dynamic); the gradients
-        are dropped. Returns the seconds it took (the start-up cost of ``actor.compile``)."""
+        without (the layers compile with dynamic token counts, so one shape serves all); the
+        gradients are dropped. Returns the seconds it took (the start-up cost of
+        ``actor.compile``)."""
         t0 = time.perf_counter()
-        for lens in ((48, 80), (96, 40, 72)):
+        for lens in ((48, 80, 72),):
             width = max(lens)
             cols = torch.arange(width, device=self.device)
             am = cols[None] < torch.tensor(lens, device=self.device)[:, None]
