@@ -74,3 +74,12 @@ def test_head_refuses_a_non_positive_temperature() -> None:
     ids, am = rows()
     with pytest.raises(ValueError, match="temperature must be positive"):
         forward_logp(model, ids, am, 0.0, "padded")
+
+
+def test_models_that_rescale_logits_keep_the_plain_head() -> None:
+    from arl.engines.fsdp import _transforms_logits
+
+    assert not _transforms_logits(tiny_model().config)
+    cfg = tiny_model().config
+    cfg.final_logit_softcapping = 30.0  # Gemma-2 caps the logits after the output layer
+    assert _transforms_logits(cfg)
