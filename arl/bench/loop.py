@@ -18,7 +18,8 @@ not covered by train-rank device work, the rollout wait or the weight sync (the 
 That step and the next (where its files are written) are left out of the medians.
 
 Without a GPU a small preset (2 groups x 2 samples x 8 tokens, no evaluation) runs first so CI
-can smoke-test it; overrides come last and win. ``--out FILE`` writes the figures as JSON.
+can smoke-test it; overrides come last and win. ``--out FILE`` writes the figures as JSON, with
+issue 16's keys under ``issue16``.
 
     python -m arl.bench loop --steps 60 cluster.n_gpus=1
     python -m arl.bench loop --recipe recipes/gsm8k.py --steps 10 --out gsm8k.json
@@ -224,6 +225,27 @@ def summarize(
     return out
 
 
+def issue_figures(rows: list[dict], m: dict, name: str) -> dict:
+    """The figures under issue 16's keys (``name`` is the recipe's stem): sums and medians over
+    the steps the issue names (1-N for the step-time sum, 3-N for the gsm8k medians)."""
+    late = [r for r in rows if r["step"] >= 3] or rows
+    acc = m["eval_accuracy"][-1][1] if m["eval_accuracy"] else None
+    out = {
+        f"{name}.step_time_{len(rows)}_s": m["step_time_sum_s"],
+        f"{name}.eval_accuracy_{len(rows)}": acc,
+        f"{name}.median_step_s": statistics.median(r["time/step_s"] for r in late),
+        f"{name}.rollout_tokens_per_s": sum(r["rollout/gen_tokens"] for r in late)
+        / sum(r["time/step_s"] for r in late),
+        f"{name}.train_tokens_per_s": statistics.median(
+            r["batch/n_tokens"] / max(r["time/logp_s"] + r["time/update_s"], 1e-9) for r in late
+        ),
+        "sync.total_s": statistics.median(r["time/sync_s"] for r in rows[1:] or rows),
+        "sync.paused_s": m["sync_paused_s"],
+        "step.fixed_overhead_s": m.get("fixed_overhead_s"),
+    }
+    return out
+
+
 def report(m: dict, floors: dict) -> str:
     """The phase table and the rollout and training lines."""
     lines = [
@@ -313,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = json.loads(prof_file.read_text()) if prof_file.exists() else None
     n_params = _model_params(cfg.actor.path)
     m = summarize(rows, floors, n_params, run["samples"], profile, a.profile_step)
+    m["issue16"] = issue_figures(rows, m, Path(a.recipe).stem)
     m |= {
         "recipe": a.recipe,
         "overrides": a.overrides,
@@ -335,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         trace = profile_dir / "trace_rank0.json"
         print(f"\ntop ops of the profiled step (rank 0; trace: {trace}):")
         print("\n".join(top.read_text().splitlines()[:22]))
+    print(f"\nissue 16 keys: {json.dumps(m['issue16'])}")
     print(f"\ncommand: python -m arl.bench loop {' '.join(args)}")
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)

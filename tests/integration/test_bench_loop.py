@@ -48,6 +48,8 @@ def test_loop_bench_writes_every_phase_beside_its_floor(tmp_path, tiny_model, ca
     # The profiled step cycle left its files and figures.
     assert m["profile"]["window_s"] > 0 and m["fixed_overhead_s"] is not None
     assert (tmp_path / "runs" / "loop" / "bench" / "profile" / "top_ops_rank0.txt").exists()
+    assert m["issue16"]["arith.step_time_3_s"] == m["step_time_sum_s"]
+    assert m["issue16"]["arith.train_tokens_per_s"] > 0
     printed = capsys.readouterr().out
     assert "| weight_sync |" in printed and "floor" in printed
 
