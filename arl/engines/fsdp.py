@@ -175,8 +175,8 @@ def _chunk_logp(
     z = torch.nn.functional.linear(h, w, bias).float() * inv_t
     lse = torch.logsumexp(z, dim=-1)
     logp = z.gather(-1, tgt[:, None]).squeeze(-1) - lse
-    with torch.no_grad():  # a statistic only
-        ent = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+    with torch.no_grad():  # a statistic only; exp(z - lse) is the softmax, lse already known
+        ent = lse - (torch.exp(z - lse[:, None]) * z).sum(-1)
     return torch.stack([logp, ent], dim=-1)
 
 
