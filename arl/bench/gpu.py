@@ -23,8 +23,7 @@ Sections (``--only`` picks some):
 
 The model is SmolLM2-135M-Instruct by default (``--model``), or ``--model random``: its
 architecture with random weights (``--model random-qwen1.5b``: Qwen2.5-1.5B's; same speed, no
-download; needs ``--tokenizer DIR`` for the
-``sync`` section, which runs the chat template).
+download; needs ``--tokenizer DIR`` for the ``sync`` section, which runs the chat template).
 """
 
 from __future__ import annotations
