@@ -291,9 +291,23 @@ class PPOTrainer:
         total = cfg.experiment.total_train_steps
         self.rollout.start()
         self._open_progress(total)
+        # The train ranks' one-time costs (and compilation) run while the first batch generates.
+        warm = asyncio.ensure_future(self._all("warm_up"))
+        try:
+            await self._loop(total, warm)
+        finally:
+            if not warm.done():
+                warm.cancel()
+            await asyncio.gather(warm, return_exceptions=True)
+        if cfg.saver.hf_export:
+            await self.save_hf()
+
+    async def _loop(self, total: int, warm: asyncio.Future) -> None:
+        cfg = self.cfg
         while self.step < total:
             t0 = time.monotonic()
             batch, infos = await self.rollout.prepare_batch(cfg.data.batch_size, self.version)
+            await warm  # done after the first step
             t_rollout = time.monotonic() - t0
             metrics = await self.train_step(batch)
             t1 = time.monotonic()
@@ -326,8 +340,6 @@ class PPOTrainer:
                 await self.save_hf()
             if cfg.recover.mode == "auto" and self.step % cfg.recover.freq_steps == 0:
                 await self.save_recovery()
-        if cfg.saver.hf_export:
-            await self.save_hf()
 
     async def train_step(self, batch: RTensor) -> dict:
         """One PPO update over ``batch`` on every train rank; returns averaged statistics."""

@@ -103,7 +103,6 @@ async def run_loop(cfg: Config, profile_step: int, profile_dir: Path) -> dict:
         try:
             await trainer.setup()
             startup = time.monotonic() - t0
-            info = await trainer.train_workers[0].info()
             if profile_step:
                 await asyncio.gather(
                     *(w.arm_profile(profile_step, str(profile_dir)) for w in trainer.train_workers)
@@ -115,6 +114,7 @@ async def run_loop(cfg: Config, profile_step: int, profile_dir: Path) -> dict:
                 sampler.cancel()
                 await asyncio.gather(sampler, return_exceptions=True)
             samples.append((time.time(), await _healths(trainer)))
+            info = await trainer.train_workers[0].info()
         finally:
             await trainer.close()
     return {"startup_s": startup, "samples": samples, "train_info": info}
@@ -349,8 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     info = run["train_info"]
     print(
-        f"start-up {run['startup_s']:.1f} s (train layout {info['layout']}, compile "
-        f"{info['compile_s']:.1f} s of it)"
+        f"start-up {run['startup_s']:.1f} s; train layout {info['layout']}, warm-up (compilation "
+        f"included) {info['warm_up_s']:.1f} s, overlapped with the first rollout"
     )
     print(report(m, floors))
     top = profile_dir / "top_ops_rank0.txt"

@@ -404,30 +404,31 @@ class FSDPEngine:
             )
         self.source_path = cfg.path
         self._step = 0
-        on_gpu = self.device.type == "cuda"
-        self.compile_s = self._warm_up_compiled() if cfg.compile and on_gpu else 0.0
+        self.warm_up_s = 0.0
 
-    def _warm_up_compiled(self) -> float:
-        """Compile the layers now, not in the first step: a forward with backward and one
-        without (the layers compile with dynamic token counts, so one shape serves all); the
-        gradients are dropped. Returns the seconds it took (the start-up cost of
-        ``actor.compile``)."""
+    def warm_up(self) -> float:
+        """A forward with backward and one without on a small packed batch, gradients dropped:
+        the first passes' one-time costs (kernel selection, allocator growth, and with
+        ``actor.compile`` the compilation, dynamic in the token count so one shape serves all)
+        are paid here, which the trainer overlaps with the first rollout. Collective; returns
+        the seconds it took (``warm_up_s``; the start-up cost of ``actor.compile``)."""
         t0 = time.perf_counter()
-        for lens in ((48, 80, 72),):
-            width = max(lens)
-            cols = torch.arange(width, device=self.device)
-            am = cols[None] < torch.tensor(lens, device=self.device)[:, None]
-            ids = torch.ones_like(am, dtype=torch.long) * am
-            for grad in (True, False):
-                with torch.set_grad_enabled(grad):
-                    logp, _ = forward_logp(self.model, ids, am, 1.0, self.layout)
-                    if grad:
-                        (logp.sum() * 0.0).backward()
+        lens = torch.tensor([48, 80, 72], device=self.device)
+        am = torch.arange(int(lens.max()), device=self.device)[None] < lens[:, None]
+        ids = torch.ones_like(am, dtype=torch.long) * am
+        for grad in (True, False):
+            with torch.set_grad_enabled(grad):
+                logp, _ = forward_logp(self.model, ids, am, 1.0, self.layout)
+                if grad:
+                    (logp.sum() * 0.0).backward()
         self.optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(self.device)
-        took = time.perf_counter() - t0
-        log.info("rank %d: compiled the decoder layers in %.1f s", self.rank, took)
-        return took
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.warm_up_s = time.perf_counter() - t0
+        log.info(
+            "rank %d: warmed up (compile=%s) in %.1f s", self.rank, self.cfg.compile, self.warm_up_s
+        )
+        return self.warm_up_s
 
     # ------------------------------------------------------------------ log-probs and advantages
 

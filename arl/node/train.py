@@ -80,9 +80,13 @@ class TrainWorker:
         self.ipc_sender: CudaIpcSender | None = None
 
     def info(self) -> dict:
-        """The layout and micro-batch settings this rank resolved, and its compile start-up."""
+        """The layout this rank resolved and its warm-up seconds (compilation included)."""
         e = self.engine
-        return {"layout": e.layout, "compile_s": e.compile_s, "device": str(e.device)}
+        return {"layout": e.layout, "warm_up_s": e.warm_up_s, "device": str(e.device)}
+
+    def warm_up(self) -> float:
+        """Pay the first training passes' one-time costs now (see `FSDPEngine.warm_up`)."""
+        return self.engine.warm_up()
 
     def attach_node(self, node: Any) -> None:
         """Called by the node after construction: gives access to its shard store."""
