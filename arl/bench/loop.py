@@ -15,7 +15,8 @@ trained groups), the mean batch each decode step really ran, and the share of wa
 engines were busy. One step (``--profile-step``) is recorded with torch.profiler on every train
 rank, from its ``load_batch`` to the next one: the top ops, a Chrome trace, and the per-step time
 not covered by train-rank device work, the rollout wait or the weight sync (the fixed overhead).
-That step and the next (where its files are written) are left out of the medians.
+That step and the next (where the profiler stops) are left out of the medians; the files are
+written after the run.
 
 Without a GPU a small preset (2 groups x 2 samples x 8 tokens, no evaluation) runs first so CI
 can smoke-test it; overrides come last and win. ``--out FILE`` writes the figures as JSON, with
@@ -115,6 +116,7 @@ async def run_loop(cfg: Config, profile_step: int, profile_dir: Path) -> dict:
                 await asyncio.gather(sampler, return_exceptions=True)
             samples.append((time.time(), await _healths(trainer)))
             info = await trainer.train_workers[0].info()
+            await asyncio.gather(*(w.write_profile() for w in trainer.train_workers))
         finally:
             await trainer.close()
     return {"startup_s": startup, "samples": samples, "train_info": info}
@@ -167,7 +169,7 @@ def summarize(
     """The figures of one run: phases beside floors, rollout, training, the fixed overhead."""
     if len(rows) < 2:
         raise ValueError("the loop figures need at least 2 steps (step 1 is the warm-up)")
-    # The profiler slows its step, and writing its files lands in the next one.
+    # The profiler slows its step, and stopping it (processing its events) the next one.
     profiled = (profile_step, profile_step + 1) if profile else ()
     steady = [r for r in rows[1:] if r["step"] not in profiled] or rows[1:]
     peak, bw = floors["matmul_flops"], floors["hbm_bytes_s"]

@@ -72,6 +72,7 @@ class TrainWorker:
         self.n_steps = 0  # load_batch calls: the steps this rank has started
         self._profile: tuple[int, Path] | None = None
         self._profiler: Any = None
+        self._recorded: tuple[Any, float, Path] | None = None
         # Weight sync state (DESIGN §6): the engines' dtype, the bucket plan, the nccl/gloo
         # group and the ipc sender of the sync in progress.
         self.sync_dtype: torch.dtype | None = None
@@ -130,8 +131,8 @@ class TrainWorker:
 
     def arm_profile(self, step: int, path: str) -> None:
         """Record one whole step cycle with torch.profiler: from the ``step``-th `load_batch`
-        (1-based) to the next one, weight sync and idle time included; `_write_profile` says
-        what lands in ``path``."""
+        (1-based) to the next one, weight sync and idle time included. The files are written
+        by `write_profile`, called after the run, so that writing them costs no step time."""
         if step < 1:
             raise ValueError(f"the profiled step must be >= 1, got {step}")
         self._profile = (step, Path(path))
@@ -141,7 +142,12 @@ class TrainWorker:
             return
         step, path = self._profile
         if self._profiler is not None and self.n_steps == step + 1:
-            self._write_profile(path)
+            prof, self._profiler, self._profile = self._profiler, None, None
+            if self.engine.device.type == "cuda":
+                torch.cuda.synchronize(self.engine.device)
+            window = time.perf_counter() - self._profile_t0
+            prof.stop()
+            self._recorded = (prof, window, path)
         elif self._profiler is None and self.n_steps == step:
             acts = [torch.profiler.ProfilerActivity.CPU]
             if self.engine.device.type == "cuda":
@@ -150,15 +156,15 @@ class TrainWorker:
             self._profiler.start()
             self._profile_t0 = time.perf_counter()
 
-    def _write_profile(self, path: Path) -> None:
-        """Stop the profiler; write ``top_ops.txt`` (by self device time, or CPU time without a
-        GPU), ``trace.json`` (Chrome trace) and ``profile.json`` (the window's wall seconds,
-        device-busy seconds, kernels, host syncs, device allocations, per-op counts)."""
-        prof, self._profiler, self._profile = self._profiler, None, None
-        if self.engine.device.type == "cuda":
-            torch.cuda.synchronize(self.engine.device)
-        window = time.perf_counter() - self._profile_t0
-        prof.stop()
+    def write_profile(self) -> bool:
+        """Write the recorded step cycle, if any (False if none was recorded): ``top_ops``
+        (by self device time, or CPU time without a GPU), a Chrome ``trace`` and ``profile``
+        (the window's wall seconds, device-busy seconds, kernels, host syncs, device
+        allocations, op counts), each suffixed with this rank."""
+        if self._recorded is None:
+            return False
+        prof, window, path = self._recorded
+        self._recorded = None
         path.mkdir(parents=True, exist_ok=True)
         on_gpu = self.engine.device.type == "cuda"
         sort = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
@@ -167,6 +173,7 @@ class TrainWorker:
         prof.export_chrome_trace(str(path / f"trace_rank{self.rank}.json"))
         summary = profile_summary(prof, window)
         (path / f"profile_rank{self.rank}.json").write_text(json.dumps(summary, indent=1))
+        return True
 
     def end_step(self) -> None:
         """Drop the step's batch (the pulled shards are freed by the controller's fan-out)."""
