@@ -198,7 +198,8 @@ class PPOTrainer:
             # engines (the default of 64 rows serialised gsm8k's 512 concurrent samples).
             per_engine = -(-cfg.max_concurrent_rollouts * cfg.gconfig.n_samples // n_engines)
             kw["max_batch_size"] = max(1, min(512, per_engine))
-            kw["max_seq_len"] = cfg.data.max_prompt_len + cfg.gconfig.max_new_tokens + 1
+            # The cache grows on demand up to this; agent turns can outgrow prompt + new tokens.
+            kw["max_seq_len"] = max(2048, cfg.data.max_prompt_len + cfg.gconfig.max_new_tokens + 1)
             if engine != "arl.engines.hf:HFEngine":
                 kw = {
                     "python": cfg.rollout.server_python,
