@@ -198,7 +198,16 @@ class ActorConfig:
     min_lr_ratio: float = _f(0.0, "final LR as a fraction of lr (linear and cosine)")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this value")
     ppo_n_minibatches: int = _f(1, "optimizer steps per training step")
-    max_tokens_per_mb: int = _f(8192, "token budget of one packed micro-batch")
+    max_tokens_per_mb: int | None = _f(
+        None,
+        "token budget of one packed micro-batch (none: sized from free GPU memory; 8192 on CPU)",
+    )
+    layout: Literal["auto", "packed", "padded"] = _f(
+        "auto",
+        "micro-batch layout: packed rows with varlen attention (no padding) or padded rows "
+        "(auto: packed on CUDA, padded on CPU, where packing would need a dense mask)",
+    )
+    compile: bool = _f(False, "torch.compile each decoder layer of the trained model (CUDA)")
     eps_clip: float = _f(0.4, "PPO clip range of the ratio (1 - eps, 1 + eps)")
     eps_clip_higher: float | None = _f(None, "upper clip range (none: eps_clip)")
     c_clip: float | None = _f(None, "dual-clip constant c > 1 for negative advantages (none: off)")
@@ -551,7 +560,8 @@ def _validation_problems(cfg: Config) -> list[str]:
     check("actor.warmup_steps", a.warmup_steps >= 0, "must be >= 0")
     within("actor.min_lr_ratio", 0.0, 1.0)
     positive("actor.adam_eps", "actor.grad_clip", "actor.ppo_n_minibatches")
-    positive("actor.max_tokens_per_mb", "actor.eps_clip", "actor.temperature")
+    positive("actor.eps_clip", "actor.temperature")
+    positive("actor.max_tokens_per_mb", optional=True)
     positive("actor.reward_clip", "actor.norm_eps")
     positive("actor.eps_clip_higher", "actor.behav_imp_weight_cap", optional=True)
     check("actor.c_clip", a.c_clip is None or a.c_clip > 1, "dual clip needs c > 1 (or none)")
@@ -568,7 +578,7 @@ def _validation_problems(cfg: Config) -> list[str]:
     longest = cfg.data.max_prompt_len + g.max_new_tokens
     check(
         "actor.max_tokens_per_mb",
-        a.max_tokens_per_mb >= longest,
+        a.max_tokens_per_mb is None or a.max_tokens_per_mb >= longest,
         f"smaller than the longest sequence, data.max_prompt_len + gconfig.max_new_tokens = "
         f"{longest}; raise it or shorten those",
     )

@@ -203,12 +203,26 @@ class PPOTrainer:
             discount = {"turn_discount": cfg.rollout.turn_discount}
             agent = {"agent": cfg.rollout.agent, "workflow_kwargs": {**trajectory, **discount}}
 
+        n_engines = max(1, len(self.cluster.rollout))
+
         async def one(p: Any) -> RemoteObject:
+            spec = engine_spec(cfg, p.spec, model_path, p.device)
+            options = {}
+            if not spec.is_server:
+                # Room for every sequence the staleness semaphore lets run at once, split over
+                # the engines (the default of 64 rows serialised gsm8k's 512 concurrent samples).
+                per_engine = -(-cfg.max_concurrent_rollouts * cfg.gconfig.n_samples // n_engines)
+                # The cache grows on demand up to max_seq_len; agent turns can outgrow prompt +
+                # new tokens.
+                longest = cfg.data.max_prompt_len + cfg.gconfig.max_new_tokens + 1
+                options = {"max_batch_size": max(1, min(512, per_engine))}
+                options["max_seq_len"] = max(2048, longest)
             w = await p.handle.create(
                 "arl.node.rollout:RolloutWorker",
                 name="rollout",
                 model_path=model_path,
-                engine=engine_spec(cfg, p.spec, model_path, p.device).to_wire(),
+                engine=spec.to_wire(),
+                engine_options=options,
                 workflow=cfg.rollout.workflow,
                 reward=cfg.rollout.reward,
                 sampling=sampling,
@@ -272,9 +286,23 @@ class PPOTrainer:
         total = cfg.experiment.total_train_steps
         self.rollout.start()
         self._open_progress(total)
+        # The train ranks' one-time costs (and compilation) run while the first batch generates.
+        warm = asyncio.ensure_future(self._all("warm_up"))
+        try:
+            await self._loop(total, warm)
+        finally:
+            if not warm.done():
+                warm.cancel()
+            await asyncio.gather(warm, return_exceptions=True)
+        if cfg.saver.hf_export:
+            await self.save_hf()
+
+    async def _loop(self, total: int, warm: asyncio.Future) -> None:
+        cfg = self.cfg
         while self.step < total:
             t0 = time.monotonic()
             batch, infos = await self.rollout.prepare_batch(cfg.data.batch_size, self.version)
+            await warm  # done after the first step
             t_rollout = time.monotonic() - t0
             metrics = await self.train_step(batch)
             t1 = time.monotonic()
@@ -309,23 +337,31 @@ class PPOTrainer:
                 await self.save_hf()
             if cfg.recover.mode == "auto" and self.step % cfg.recover.freq_steps == 0:
                 await self.save_recovery()
-        if cfg.saver.hf_export:
-            await self.save_hf()
 
     async def train_step(self, batch: RTensor) -> dict:
         """One PPO update over ``batch`` on every train rank; returns averaged statistics."""
         cfg = self.cfg
+        t0 = time.monotonic()
         parts, _ = dispatch(batch, len(self.train_workers))
-        await self._all("load_batch", [[p.to_wire()] for p in parts])
+        loaded = await self._all("load_batch", [[p.to_wire()] for p in parts])
+        t1 = time.monotonic()
         if cfg.actor.use_decoupled_loss:
             await self._all("compute_logp")
         if cfg.actor.kl_ctl > 0:
             await self._all("compute_ref_logp")
+        t2 = time.monotonic()
         await self._all("compute_advantages")
         per_rank = await self._all("ppo_update")
         await self._all("end_step")
         n = len(per_rank)
         out = {f"train/{k}": sum(float(r[k]) for r in per_rank) / n for k in per_rank[0]}
+        out["batch/n_tokens"] = sum(r["n_tokens"] for r in loaded)
+        out["batch/n_seqs"] = sum(r["n_seqs"] for r in loaded)
+        # The phases of train_s: pulling and concatenating the shards, the log-prob passes
+        # (proximal and reference), advantages plus the update.
+        out["time/load_batch_s"] = t1 - t0
+        out["time/logp_s"] = t2 - t1
+        out["time/update_s"] = time.monotonic() - t2
         if out.get("train/skipped"):  # every rank skips together: the norm is global
             log.warning(
                 "step %d: %d of %d optimizer steps skipped, the gradient norm was not finite "

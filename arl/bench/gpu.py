@@ -14,15 +14,17 @@ Sections (``--only`` picks some):
   "before" column is the same engine with transformers' stock sdpa attention and no compiled
   blocks, as it was before the decode fixes of issue 7.
 - ``train``: FSDP2 (one rank, bf16) tokens/s of ``compute_logp`` and of advantages + PPO update,
-  with model FLOP utilisation against the matmul peak measured in ``floors``.
+  with model FLOP utilisation against the matmul peak measured in ``floors``, per variant:
+  padded rows in 8192-token micro-batches (the layout before issue 16), packed rows with
+  varlen attention and memory-sized micro-batches, and that with compiled decoder layers.
 - ``sync``: seconds per weight sync for ``ipc_buffer``, ``ipc``, ``zmq`` and ``disk`` (``python -m
   arl.bench sync`` runs a whole recipe per mode), the trainer and the engine
   colocated on one GPU as real arl nodes (three steps of the arith recipe, ``sync/paused_s``),
   beside the time the same bytes take in a device-to-device copy.
 
 The model is SmolLM2-135M-Instruct by default (``--model``), or ``--model random``: its
-architecture with random weights (same speed, no download; needs ``--tokenizer DIR`` for the
-``sync`` section, which runs the chat template).
+architecture with random weights (``--model random-qwen1.5b``: Qwen2.5-1.5B's; same speed, no
+download; needs ``--tokenizer DIR`` for the ``sync`` section, which runs the chat template).
 """
 
 from __future__ import annotations
@@ -55,37 +57,55 @@ SMOLLM2_135M = dict(
 )
 
 
-def _sync() -> None:
-    torch.cuda.synchronize()
+# Qwen2.5-1.5B's shape (random weights): the issue's MFU figure is taken at this size.
+QWEN25_1P5B = dict(
+    vocab_size=151936,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
 
 
-def _time_cuda(fn: Any, reps: int) -> float:
+def _sync(device: str = "cuda") -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time_cuda(fn: Any, reps: int, device: str = "cuda") -> float:
     """Median seconds of ``fn()`` over ``reps`` runs, after one warm-up."""
     fn()
-    _sync()
+    _sync(device)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        _sync()
+        _sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
 # ---- floors ---------------------------------------------------------------------------------
-def measure_floors() -> dict[str, float]:
-    """HBM bandwidth (bytes read + written per second) and bf16 matmul FLOP/s on this GPU."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+def measure_floors(device: str = "cuda") -> dict[str, float]:
+    """Memory bandwidth (bytes read + written per second, a copy of 1 GiB) and matmul FLOP/s
+    (bf16 8192^3 on a GPU; fp32 1024^3 on a CPU, where training runs in fp32) on ``device``."""
+    on_gpu = torch.device(device).type == "cuda"
+    size, n, dtype = (1 << 30, 8192, torch.bfloat16) if on_gpu else (1 << 27, 1024, torch.float32)
+    src = torch.empty(size, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    t_copy = _time_cuda(lambda: dst.copy_(src), 10)
+    t_copy = _time_cuda(lambda: dst.copy_(src), 10 if on_gpu else 3, device)
     src = dst = None
-    n = 8192
-    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    t_mm = _time_cuda(lambda: a @ b, 10)
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    t_mm = _time_cuda(lambda: a @ b, 10 if on_gpu else 3, device)
     a = b = None
-    torch.cuda.empty_cache()
-    return {"hbm_bytes_s": 2 * (1 << 30) / t_copy, "bf16_flops": 2 * n**3 / t_mm}
+    if on_gpu:
+        torch.cuda.empty_cache()
+    key = "bf16_flops" if on_gpu else "fp32_flops"
+    return {"hbm_bytes_s": 2 * size / t_copy, key: 2 * n**3 / t_mm, "matmul_flops": 2 * n**3 / t_mm}
 
 
 # ---- the model ------------------------------------------------------------------------------
@@ -96,7 +116,7 @@ def prepare_model(spec: str, tokenizer: str | None, workdir: Path) -> str:
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if spec != "random":
+    if not spec.startswith("random"):
         from arl.engines.model import resolve_model
 
         src = Path(resolve_model(spec))
@@ -111,7 +131,12 @@ def prepare_model(spec: str, tokenizer: str | None, workdir: Path) -> str:
                 f.write_text(json.dumps(cfg))
         return str(path)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M, eos_token_id=None))
+    if spec == "random-qwen1.5b":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_1P5B, eos_token_id=None))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M, eos_token_id=None))
     model.generation_config.eos_token_id = None
     path = workdir / "random"
     model.save_pretrained(path)
@@ -327,10 +352,60 @@ def synthetic_train_batch(
     return concat_shards(shards)
 
 
-def run_train(args: argparse.Namespace, path: str, floors: dict) -> dict:
-    import socket
-
+def run_train(args: argparse.Namespace, path: str, floors: dict) -> list[dict]:
+    """FSDP2 tokens/s and MFU of compute_logp and the update, per variant (``--train-variants``:
+    ``padded`` is the layout as before issue 16, fixed 8192-token micro-batches; ``packed``
+    packs rows with varlen attention and sizes micro-batches from free memory; ``+compile``
+    compiles the decoder layers), and the largest log-prob difference against the first."""
     from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    batch = synthetic_train_batch(vocab, 16, 4, 128, 384)
+    tokens = int(batch["attention_mask"].sum())
+    wbytes, _ = model_bytes(path)
+    n_params = wbytes / 2
+    peak = floors.get("bf16_flops", float("nan"))
+    print(f"\n## train: FSDP2 one rank, bf16, {tokens} tokens (64 samples, 128 + <=384)")
+    print(
+        "| variant | compute_logp tokens/s | MFU | update tokens/s | MFU | whole step tokens/s | "
+        "MFU | first step s | max abs logp diff |"
+    )
+    print("|" + " --- |" * 9)
+    rows, ref = [], None
+    for variant in args.train_variants:
+        r, logp = _train_variant(variant, path, batch, args.train_mb_tokens)
+        ref = logp if ref is None else ref
+        diff = float((logp - ref).abs().max())
+        m_logp = 2 * n_params * tokens / r["t_logp"] / peak
+        m_upd = 6 * n_params * tokens / r["t_upd"] / peak
+        m_all = 8 * n_params * tokens / (r["t_logp"] + r["t_upd"]) / peak
+        row = {
+            "variant": variant,
+            "tokens": tokens,
+            "logp_tok_s": tokens / r["t_logp"],
+            "update_tok_s": tokens / r["t_upd"],
+            "step_tok_s": tokens / (r["t_logp"] + r["t_upd"]),
+            "mfu_logp": m_logp,
+            "mfu_update": m_upd,
+            "mfu_step": m_all,
+            "first_step_s": r["first"],
+            "max_abs_logp_diff": diff,
+            "peak_mem_gb": r["peak_mem"] / 1e9,
+        }
+        rows.append(row)
+        print(
+            f"| {variant} | {row['logp_tok_s']:,.0f} | {100 * m_logp:.1f}% | "
+            f"{row['update_tok_s']:,.0f} | {100 * m_upd:.1f}% | {row['step_tok_s']:,.0f} | "
+            f"{100 * m_all:.1f}% | {r['first']:.1f} | {diff:.2e} |",
+            flush=True,
+        )
+    return rows
+
+
+def _train_variant(
+    variant: str, path: str, batch: dict, mb_tokens: int | None
+) -> tuple[dict, torch.Tensor]:
+    import socket
 
     from arl.config import ActorConfig
     from arl.engines.fsdp import FSDPEngine
@@ -338,42 +413,41 @@ def run_train(args: argparse.Namespace, path: str, floors: dict) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cfg = ActorConfig(path=path, lr=1e-6, max_tokens_per_mb=args.train_mb_tokens)
+    layout, _, extra = variant.partition("+")
+    cfg = ActorConfig(
+        path=path,
+        lr=1e-6,
+        layout=layout,
+        max_tokens_per_mb=mb_tokens or (8192 if layout == "padded" else None),
+        compile=extra == "compile",
+    )
     eng = FSDPEngine(
         cfg, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}", device="cuda"
     )
     try:
-        vocab = AutoConfig.from_pretrained(path).vocab_size
-        batch = synthetic_train_batch(vocab, 16, 4, 128, 384)
-        tokens = int(batch["attention_mask"].sum())
 
-        def step() -> tuple[float, float]:
+        def step() -> tuple[float, float, torch.Tensor]:
             _sync()
             t0 = time.perf_counter()
-            b = dict(batch, prox_logp=eng.compute_logp(batch))
+            logp = eng.compute_logp(batch)
+            b = dict(batch, prox_logp=logp)
             _sync()
             t1 = time.perf_counter()
             eng.ppo_update(eng.compute_advantages(b))
             _sync()
-            return t1 - t0, time.perf_counter() - t1
+            return t1 - t0, time.perf_counter() - t1, logp
 
-        step()
-        t_logp, t_upd = zip(*(step() for _ in range(3)), strict=True)
-        t_logp, t_upd = statistics.median(t_logp), statistics.median(t_upd)
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        _, _, logp = step()
+        first = time.perf_counter() - t0
+        t_logp, t_upd, _ = zip(*(step() for _ in range(3)), strict=True)
+        peak_mem = torch.cuda.max_memory_allocated()
     finally:
         eng.destroy()
-    wbytes, _ = model_bytes(path)
-    n_params = wbytes / 2
-    peak = floors.get("bf16_flops", float("nan"))
-    mfu_logp = 2 * n_params * tokens / t_logp / peak
-    mfu_upd = 6 * n_params * tokens / t_upd / peak
-    print(f"\n## train: FSDP2 one rank, bf16, {tokens} tokens (64 samples, 128 + <=384)")
-    print("| phase | tokens/s | model FLOP utilisation vs measured bf16 peak |")
-    print("| --- | --- | --- |")
-    print(f"| compute_logp | {tokens / t_logp:,.0f} | {100 * mfu_logp:.1f}% |")
-    print(f"| advantages + ppo_update | {tokens / t_upd:,.0f} | {100 * mfu_upd:.1f}% |")
-    print(f"| whole step | {tokens / (t_logp + t_upd):,.0f} | |", flush=True)
-    return {"tokens": tokens, "logp_tok_s": tokens / t_logp, "update_tok_s": tokens / t_upd}
+        torch.cuda.empty_cache()
+    out = {"t_logp": statistics.median(t_logp), "t_upd": statistics.median(t_upd)}
+    return out | {"first": first, "peak_mem": peak_mem}, logp
 
 
 # ---- weight sync ----------------------------------------------------------------------------
@@ -443,7 +517,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_false",
         help="skip the engine as it was before the decode fixes (stock sdpa, no compiled blocks)",
     )
-    p.add_argument("--train-mb-tokens", type=int, default=8192)
+    p.add_argument(
+        "--train-mb-tokens", type=int, default=None, help="none: each variant's own budget"
+    )
+    p.add_argument("--train-variants", nargs="*", default=["padded", "packed", "packed+compile"])
     p.add_argument("--sync-modes", nargs="*", default=["ipc_buffer", "ipc", "zmq", "disk"])
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     args = p.parse_args(argv)

@@ -25,6 +25,7 @@ import hashlib
 import inspect
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -432,6 +433,9 @@ class HFEngine:
         self._last_error: str | None = None
         self._steps = 0
         self._generated_tokens = 0
+        self._busy_s = 0.0
+        self._prefills = 0
+        self._prefill_tokens = 0
         self._last_admit_step = 0
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self._graphs_generation = -1
@@ -494,6 +498,9 @@ class HFEngine:
                 "cuda_graphs": self.cuda_graphs,
                 "compiled_blocks": self.compiled_blocks,
                 "generated_tokens": self._generated_tokens,
+                "busy_s": self._busy_s,
+                "prefills": self._prefills,
+                "prefill_tokens": self._prefill_tokens,
                 "last_error": self._last_error,
             }
 
@@ -669,6 +676,7 @@ class HFEngine:
                 self._abort_rows()
                 continue
             self._drop_cancelled()
+            t0 = time.perf_counter()
             try:
                 with self._model_lock:
                     if newcomers:
@@ -677,6 +685,9 @@ class HFEngine:
                         self._decode_step()
             except Exception as exc:
                 self._fail_step(exc, newcomers)
+            # Each decode step ends in a device-to-host copy, so this is GPU time plus the
+            # host work around it: the share of wall time the engine was working.
+            self._busy_s += time.perf_counter() - t0
 
     def _has_work_locked(self) -> bool:
         if self._paused:
@@ -738,6 +749,8 @@ class HFEngine:
         row0, dev = len(self._rows), self.device
         lengths = [len(r.prompt) - 1 for r in chunk]
         with_prefix = sum(1 for n in lengths if n > 0)
+        self._prefills += 1
+        self._prefill_tokens += sum(lengths)
         self._cache.reserve(row0 + len(chunk), max(lengths) + 1)
         if with_prefix:
             width = max(lengths)

@@ -9,9 +9,11 @@ here; only small statistics travel back.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -60,8 +62,21 @@ class TrainWorker:
         )
         self.batch: dict[str, torch.Tensor] | None = None
         self.node: Any = None
+        self.n_steps = 0  # load_batch calls: the steps this rank has started
+        self._profile: tuple[int, Path] | None = None
+        self._profiler: Any = None
+        self._recorded: tuple[Any, float, Path] | None = None
         # The engines' weight dtype: weights are sent, and checksummed, in it (arl.weights).
         self.sync_dtype: torch.dtype | None = None
+
+    def info(self) -> dict:
+        """The layout this rank resolved and its warm-up seconds (compilation included)."""
+        e = self.engine
+        return {"layout": e.layout, "warm_up_s": e.warm_up_s, "device": str(e.device)}
+
+    def warm_up(self) -> float:
+        """Pay the first training passes' one-time costs now (see `FSDPEngine.warm_up`)."""
+        return self.engine.warm_up()
 
     def attach_node(self, node: Any) -> None:
         """Called by the node after construction: gives access to its shard store."""
@@ -75,6 +90,8 @@ class TrainWorker:
                 f"rank {self.rank} got no shards; data.batch_size must be >= the "
                 "number of train ranks"
             )
+        self.n_steps += 1
+        self._profile_tick()
         self.batch = concat_shards(shards)
         mask = self.batch["loss_mask"]
         return {"n_seqs": int(mask.shape[0]), "n_tokens": int(self.batch["attention_mask"].sum())}
@@ -100,6 +117,52 @@ class TrainWorker:
         mask = b["loss_mask"]
         stats["gen_len_mean"] = float(mask.sum(1).float().mean())
         return {k: float(v) if not math.isnan(float(v)) else "nan" for k, v in stats.items()}
+
+    def arm_profile(self, step: int, path: str) -> None:
+        """Record one whole step cycle with torch.profiler: from the ``step``-th `load_batch`
+        (1-based) to the next one, weight sync and idle time included. The files are written
+        by `write_profile`, called after the run, so that writing them costs no step time."""
+        if step < 1:
+            raise ValueError(f"the profiled step must be >= 1, got {step}")
+        self._profile = (step, Path(path))
+
+    def _profile_tick(self) -> None:
+        if self._profile is None:
+            return
+        step, path = self._profile
+        if self._profiler is not None and self.n_steps == step + 1:
+            prof, self._profiler, self._profile = self._profiler, None, None
+            if self.engine.device.type == "cuda":
+                torch.cuda.synchronize(self.engine.device)
+            window = time.perf_counter() - self._profile_t0
+            prof.stop()
+            self._recorded = (prof, window, path)
+        elif self._profiler is None and self.n_steps == step:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if self.engine.device.type == "cuda":
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(activities=acts)
+            self._profiler.start()
+            self._profile_t0 = time.perf_counter()
+
+    def write_profile(self) -> bool:
+        """Write the recorded step cycle, if any (False if none was recorded): ``top_ops``
+        (by self device time, or CPU time without a GPU), a Chrome ``trace`` and ``profile``
+        (the window's wall seconds, device-busy seconds, kernels, host syncs, device
+        allocations, op counts), each suffixed with this rank."""
+        if self._recorded is None:
+            return False
+        prof, window, path = self._recorded
+        self._recorded = None
+        path.mkdir(parents=True, exist_ok=True)
+        on_gpu = self.engine.device.type == "cuda"
+        sort = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort, row_limit=30)
+        (path / f"top_ops_rank{self.rank}.txt").write_text(table)
+        prof.export_chrome_trace(str(path / f"trace_rank{self.rank}.json"))
+        summary = profile_summary(prof, window)
+        (path / f"profile_rank{self.rank}.json").write_text(json.dumps(summary, indent=1))
+        return True
 
     def end_step(self) -> None:
         """Drop the step's batch (the pulled shards are freed by the controller's fan-out)."""
@@ -193,6 +256,35 @@ class TrainWorker:
     def close(self) -> None:
         """Destroy the process group."""
         self.engine.destroy()
+
+
+# Host-side calls that wait for the device (a .item(), .cpu() or .tolist() of a device tensor
+# ends in one of these).
+_HOST_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def profile_summary(prof: Any, window_s: float) -> dict:
+    """Figures of one profiled window: device-busy seconds (kernel and copy time), kernels,
+    host syncs, device allocations (cudaMalloc: the caching allocator grew), op counts."""
+    from torch.autograd import DeviceType
+
+    busy_us, kernels = 0.0, 0
+    counts: dict[str, int] = {}
+    for evt in prof.events():
+        if evt.device_type == DeviceType.CUDA:
+            busy_us += evt.time_range.elapsed_us()
+            kernels += 1
+        else:
+            counts[evt.name] = counts.get(evt.name, 0) + 1
+    return {
+        "window_s": window_s,
+        "device_busy_s": busy_us / 1e6,
+        "kernels": kernels,
+        "host_syncs": sum(counts.get(n, 0) for n in _HOST_SYNCS),
+        "item_calls": counts.get("aten::_local_scalar_dense", 0),
+        "device_mallocs": counts.get("cudaMalloc", 0),
+        "top_counts": dict(sorted(counts.items(), key=lambda kv: -kv[1])[:25]),
+    }
 
 
 def _rng_bytes() -> bytes:

@@ -1,0 +1,372 @@
+"""``python -m arl.bench loop``: a recipe's RL step, phase by phase, each beside its floor.
+
+Runs the recipe (default ``recipes/arith.py``, as written) for ``--steps`` steps on this machine
+and prints, per phase of a step (medians over steps 2..N; step 1 waits for the first batch), its
+seconds beside a floor measured in the same run on the same device:
+
+- wait for rollout, pull and dispatch (``load_batch``), the rest (metrics, freeing shards, the
+  RPCs between phases): floor 0;
+- log-probs: 2 x params x tokens FLOPs, update: 6 x params x tokens (forward and backward), over
+  the measured matmul peak (attention FLOPs left out: they are small at these lengths);
+- weight sync: the weight bytes copied once at the measured device copy bandwidth.
+
+Rollout in the loop: generated tokens per second (all the engines decoded, and those of the
+trained groups), the mean batch each decode step really ran, and the share of wall time the
+engines were busy. One step (``--profile-step``) is recorded with torch.profiler on every train
+rank, from its ``load_batch`` to the next one: the top ops, a Chrome trace, and the per-step time
+not covered by train-rank device work, the rollout wait or the weight sync (the fixed overhead).
+That step and the next (where the profiler stops) are left out of the medians; the files are
+written after the run.
+
+Without a GPU a small preset (2 groups x 2 samples x 8 tokens, no evaluation) runs first so CI
+can smoke-test it; overrides come last and win. ``--out FILE`` writes the figures as JSON, with
+issue 16's keys under ``issue16``.
+
+    python -m arl.bench loop --steps 60 cluster.n_gpus=1
+    python -m arl.bench loop --recipe recipes/gsm8k.py --steps 10 --out gsm8k.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from arl.config import Config, ConfigError, apply_overrides
+from arl.launch import detect_gpus, load_recipe
+
+CPU_PRESET = [
+    "data.batch_size=2",
+    "gconfig.n_samples=2",
+    "gconfig.max_new_tokens=8",
+    "evaluator.freq_steps=none",
+]
+# (name in the report, the trainer metric holding it)
+PHASES = (
+    ("wait_rollout", "time/wait_rollout_s"),
+    ("pull_dispatch", "time/load_batch_s"),
+    ("logp", "time/logp_s"),
+    ("update", "time/update_s"),
+    ("weight_sync", "time/sync_s"),
+)
+
+STEP_KEYS = (*(k for _, k in PHASES), "batch/n_tokens")
+
+
+def loop_config(recipe: str, steps: int, out: Path, overrides: list[str]) -> Config:
+    """The recipe's config with the bench's settings, the CPU preset without a GPU, then the
+    user's overrides."""
+    cfg = load_recipe(recipe)
+    bench = [
+        f"experiment.run_dir={out}",
+        "experiment.name=loop",
+        "experiment.trial=bench",
+        f"experiment.total_train_steps={steps}",
+        "saver.hf_export=false",
+        "saver.freq_steps=none",
+        "recover.mode=disabled",
+        "stats.tensorboard=false",
+        "stats.progress_bar=false",
+        "stats.trace=true",
+    ]
+    cfg = apply_overrides(cfg, bench + overrides)
+    if detect_gpus(cfg) == 0:
+        cfg = apply_overrides(cfg, bench + CPU_PRESET + overrides)
+    cfg.validate()
+    return cfg
+
+
+async def _sample_engines(workers: list, samples: list[tuple[float, list[dict]]]) -> None:
+    """Every 0.25 s, the engines' counters (decode steps, tokens, busy seconds) with the time."""
+    while True:
+        healths = await asyncio.gather(*(w.health() for w in workers))
+        samples.append((time.time(), healths))
+        await asyncio.sleep(0.25)
+
+
+async def run_loop(cfg: Config, profile_step: int, profile_dir: Path) -> dict:
+    """Run the loop like `arl.trainer.run`, with the profiler armed and the engines sampled."""
+    from arl.control.cluster import start_cluster
+    from arl.control.placement import plan_placement
+    from arl.trainer import PPOTrainer
+
+    samples: list[tuple[float, list[dict]]] = []
+    t0 = time.monotonic()
+    plan = plan_placement(cfg, detect_gpus(cfg))
+    async with start_cluster(cfg, plan) as cluster:
+        trainer = PPOTrainer(cfg, cluster)
+        try:
+            await trainer.setup()
+            startup = time.monotonic() - t0
+            if profile_step:
+                await asyncio.gather(
+                    *(w.arm_profile(profile_step, str(profile_dir)) for w in trainer.train_workers)
+                )
+            sampler = asyncio.ensure_future(_sample_engines(trainer.rollout_workers, samples))
+            try:
+                await trainer.train()
+            finally:
+                sampler.cancel()
+                await asyncio.gather(sampler, return_exceptions=True)
+            samples.append((time.time(), await _healths(trainer)))
+            info = await trainer.train_workers[0].info()
+            await asyncio.gather(*(w.write_profile() for w in trainer.train_workers))
+        finally:
+            await trainer.close()
+    return {"startup_s": startup, "samples": samples, "train_info": info}
+
+
+async def _healths(trainer: Any) -> list[dict]:
+    return list(await asyncio.gather(*(w.health() for w in trainer.rollout_workers)))
+
+
+def _model_params(path: str) -> int:
+    from arl.bench.gpu import model_bytes
+    from arl.engines.model import resolve_model
+
+    return model_bytes(resolve_model(path))[0] // 2
+
+
+def _engine_delta(samples: list, t_from: float, t_to: float) -> dict:
+    """Engine counters between the samples nearest ``t_from`` and ``t_to``, summed over engines."""
+    if len(samples) < 2:
+        return {}
+    a = min(samples, key=lambda s: abs(s[0] - t_from))
+    b = min(samples, key=lambda s: abs(s[0] - t_to))
+    wall = max(b[0] - a[0], 1e-9)
+
+    def total(s: tuple, key: str) -> float:
+        return sum(float(h.get(key, 0) or 0) for h in s[1])
+
+    d = {k: total(b, k) - total(a, k) for k in ("steps", "generated_tokens", "busy_s")}
+    d |= {k: total(b, k) - total(a, k) for k in ("prefills", "prefill_tokens")}
+    n_engines = max(len(b[1]), 1)
+    return {
+        "wall_s": wall,
+        "decoded_tokens_per_s": d["generated_tokens"] / wall,
+        "mean_decode_batch": d["generated_tokens"] / max(d["steps"], 1),
+        "decode_steps": d["steps"],
+        "busy_share": d["busy_s"] / wall / n_engines,
+        "prefills": d["prefills"],
+        "prefill_tokens": d["prefill_tokens"],
+    }
+
+
+def summarize(
+    rows: list[dict],
+    floors: dict,
+    n_params: int,
+    samples: list,
+    profile: dict | None,
+    profile_step: int,
+) -> dict:
+    """The figures of one run: phases beside floors, rollout, training, the fixed overhead."""
+    if len(rows) < 2:
+        raise ValueError("the loop figures need at least 2 steps (step 1 is the warm-up)")
+    # The profiler slows its step, and stopping it (processing its events) the next one.
+    profiled = (profile_step, profile_step + 1) if profile else ()
+    steady = [r for r in rows[1:] if r["step"] not in profiled] or rows[1:]
+    peak, bw = floors["matmul_flops"], floors["hbm_bytes_s"]
+    tokens = statistics.median(r["batch/n_tokens"] for r in steady)
+    weight_bytes = rows[-1].get("sync/bytes") or 2 * n_params
+    floor_of = {
+        "wait_rollout": 0.0,
+        "pull_dispatch": 0.0,
+        "logp": 2 * n_params * tokens / peak,
+        "update": 6 * n_params * tokens / peak,
+        "weight_sync": 2 * weight_bytes / bw,
+    }
+
+    def med(key: str) -> float:
+        return statistics.median(float(r.get(key, 0.0)) for r in steady)
+
+    phases = {name: {"median_s": med(key), "floor_s": floor_of[name]} for name, key in PHASES}
+    rest = [r["time/step_s"] - sum(float(r.get(k, 0.0)) for _, k in PHASES) for r in steady]
+    phases["rest"] = {"median_s": statistics.median(rest), "floor_s": 0.0}
+    step_s = med("time/step_s")
+    train_tps = statistics.median(
+        r["batch/n_tokens"] / max(r["time/logp_s"] + r["time/update_s"], 1e-9) for r in steady
+    )
+    t_start = rows[0]["time"]  # the end of step 1
+    gen_trained = sum(r["rollout/gen_tokens"] for r in rows[1:])
+    out = {
+        "steps": len(rows),
+        "step_time_sum_s": sum(r["time/step_s"] for r in rows),
+        "median_step_s": step_s,
+        "phases": phases,
+        "train_tokens_per_step": tokens,
+        "train_tokens_per_s": train_tps,
+        "train_floor_tokens_per_s": tokens / (floor_of["logp"] + floor_of["update"]),
+        "rollout": {
+            "trained_gen_tokens_per_s": gen_trained / sum(r["time/step_s"] for r in rows[1:]),
+            **_engine_delta(samples, t_start, rows[-1]["time"]),
+        },
+        "eval_accuracy": [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r],
+        "sync_paused_s": med("sync/paused_s") if "sync/paused_s" in steady[0] else None,
+    }
+    if profile is not None:
+        by_step = {r["step"]: r for r in rows}
+        nxt = by_step.get(profile_step + 1, {})
+        sync = by_step.get(profile_step, {}).get("time/sync_s", 0.0)
+        out["profile"] = profile
+        # The window runs from this step's load_batch to the next one's: take out the next
+        # step's rollout wait, the device work and the weight sync; what is left is overhead.
+        out["fixed_overhead_s"] = max(
+            0.0,
+            profile["window_s"]
+            - nxt.get("time/wait_rollout_s", 0.0)
+            - profile["device_busy_s"]
+            - sync,
+        )
+    return out
+
+
+def issue_figures(rows: list[dict], m: dict, name: str) -> dict:
+    """The figures under issue 16's keys (``name`` is the recipe's stem): sums and medians over
+    the steps the issue names (1-N for the step-time sum, 3-N for the gsm8k medians)."""
+    late = [r for r in rows if r["step"] >= 3] or rows
+    acc = m["eval_accuracy"][-1][1] if m["eval_accuracy"] else None
+    out = {
+        f"{name}.step_time_{len(rows)}_s": m["step_time_sum_s"],
+        f"{name}.eval_accuracy_{len(rows)}": acc,
+        f"{name}.median_step_s": statistics.median(r["time/step_s"] for r in late),
+        f"{name}.rollout_tokens_per_s": sum(r["rollout/gen_tokens"] for r in late)
+        / sum(r["time/step_s"] for r in late),
+        f"{name}.train_tokens_per_s": statistics.median(
+            r["batch/n_tokens"] / max(r["time/logp_s"] + r["time/update_s"], 1e-9) for r in late
+        ),
+        "sync.total_s": statistics.median(r["time/sync_s"] for r in rows[1:] or rows),
+        "sync.paused_s": m["sync_paused_s"],
+        "step.fixed_overhead_s": m.get("fixed_overhead_s"),
+    }
+    return out
+
+
+def report(m: dict, floors: dict) -> str:
+    """The phase table and the rollout and training lines."""
+    lines = [
+        f"floors: copy {floors['hbm_bytes_s'] / 1e9:,.1f} GB/s, matmul "
+        f"{floors['matmul_flops'] / 1e12:,.1f} TFLOP/s (measured here)",
+        "",
+        "| phase | median s | floor s | floor / figure |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, p in m["phases"].items():
+        ratio = f"{p['floor_s'] / p['median_s']:.3f}" if p["median_s"] > 0 else "-"
+        lines.append(f"| {name} | {p['median_s']:.4f} | {p['floor_s']:.4f} | {ratio} |")
+    lines.append(f"| step | {m['median_step_s']:.4f} | | |")
+    r = m["rollout"]
+    lines += [
+        "",
+        f"steps {m['steps']}, sum of step times {m['step_time_sum_s']:.1f} s, median step "
+        f"{m['median_step_s']:.3f} s",
+        f"training: {m['train_tokens_per_step']:,.0f} tokens/step, "
+        f"{m['train_tokens_per_s']:,.0f} tokens/s (log-probs + update) vs floor "
+        f"{m['train_floor_tokens_per_s']:,.0f} tokens/s",
+        f"rollout: trained groups' generated tokens {r['trained_gen_tokens_per_s']:,.0f}/s of "
+        "step time"
+        + (
+            f"; engines decoded {r['decoded_tokens_per_s']:,.0f} tokens/s, mean decode batch "
+            f"{r['mean_decode_batch']:.1f}, busy {100 * r['busy_share']:.0f}% of wall, "
+            f"{r['prefills']:.0f} prefills"
+            if "decoded_tokens_per_s" in r
+            else ""
+        ),
+    ]
+    if "profile" in m:
+        p = m["profile"]
+        lines.append(
+            f"profiled step: window {p['window_s']:.3f} s, train-rank device busy "
+            f"{p['device_busy_s']:.3f} s, {p['kernels']} kernels, {p['host_syncs']} host syncs, "
+            f"{p['device_mallocs']} device mallocs; fixed overhead {m['fixed_overhead_s']:.3f} s"
+        )
+    if m["eval_accuracy"]:
+        lines.append(f"eval accuracy (step, value): {m['eval_accuracy']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the recipe, print the phase table, write the JSON."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="python -m arl.bench loop", description=__doc__.split("\n")[0])
+    p.add_argument("--recipe", default="recipes/arith.py")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--profile-step", type=int, default=3, help="0: no profile")
+    p.add_argument("--run-dir", type=Path, default=Path("runs/bench-loop"))
+    p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    p.add_argument("overrides", nargs="*", help="config overrides key=value (applied last)")
+    a = p.parse_args(args)
+    if a.steps < 2:
+        print("error: --steps must be >= 2 (step 1 is the warm-up)", file=sys.stderr)
+        return 2
+    if a.profile_step and not 1 <= a.profile_step < a.steps:
+        print(f"error: --profile-step must be in 1..{a.steps - 1} (or 0)", file=sys.stderr)
+        return 2
+    try:
+        cfg = loop_config(a.recipe, a.steps, a.run_dir, a.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import torch
+
+    from arl.bench.gpu import measure_floors
+    from arl.stats.logger import read_jsonl
+
+    n_gpus = detect_gpus(cfg)
+    device = "cuda" if n_gpus and torch.cuda.is_available() else "cpu"
+    floors = measure_floors(device)
+    if cfg.run_path.exists():
+        shutil.rmtree(cfg.run_path)
+    profile_dir = cfg.run_path / "profile"
+    where = f"{n_gpus} GPU(s)" if n_gpus else "CPU (preset applied)"
+    print(
+        f"loop: {a.recipe}, {cfg.data.batch_size} groups x {cfg.gconfig.n_samples} samples x <= "
+        f"{cfg.gconfig.max_new_tokens} tokens, {cfg.rollout.backend} + {cfg.actor.backend} on "
+        f"{where}, {a.steps} steps",
+        flush=True,
+    )
+    run = asyncio.run(run_loop(cfg, a.profile_step, profile_dir))
+    rows = read_jsonl(cfg.run_path / "metrics.jsonl")
+    prof_file = profile_dir / "profile_rank0.json"
+    profile = json.loads(prof_file.read_text()) if prof_file.exists() else None
+    n_params = _model_params(cfg.actor.path)
+    m = summarize(rows, floors, n_params, run["samples"], profile, a.profile_step)
+    m["issue16"] = issue_figures(rows, m, Path(a.recipe).stem)
+    m |= {
+        "recipe": a.recipe,
+        "overrides": a.overrides,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "floors": floors,
+        "startup_s": run["startup_s"],
+        "train_info": run["train_info"],
+        "profile_dir": str(profile_dir) if profile else None,
+        "per_step": [{k: r.get(k) for k in ("step", "time/step_s", *STEP_KEYS)} for r in rows],
+    }
+    print()
+    info = run["train_info"]
+    print(
+        f"start-up {run['startup_s']:.1f} s; train layout {info['layout']}, warm-up (compilation "
+        f"included) {info['warm_up_s']:.1f} s, overlapped with the first rollout"
+    )
+    print(report(m, floors))
+    top = profile_dir / "top_ops_rank0.txt"
+    if top.exists():
+        trace = profile_dir / "trace_rank0.json"
+        print(f"\ntop ops of the profiled step (rank 0; trace: {trace}):")
+        print("\n".join(top.read_text().splitlines()[:22]))
+    print(f"\nissue 16 keys: {json.dumps(m['issue16'])}")
+    print(f"\ncommand: python -m arl.bench loop {' '.join(args)}")
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(m, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

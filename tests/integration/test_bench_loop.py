@@ -1,0 +1,59 @@
+"""`python -m arl.bench loop` on CPU: the small preset on the tiny model, real nodes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from arl.bench.loop import main
+from tests.support.tiny_model import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+def test_loop_bench_writes_every_phase_beside_its_floor(tmp_path, tiny_model, capsys):
+    out = tmp_path / "loop.json"
+    rc = main(
+        [
+            "--steps",
+            "3",
+            "--profile-step",
+            "1",
+            "--run-dir",
+            str(tmp_path / "runs"),
+            "--out",
+            str(out),
+            f"actor.path={tiny_model}",
+            "actor.dtype=float32",
+            "cluster.n_gpus=0",
+        ]
+    )
+    assert rc == 0
+    m = json.loads(out.read_text())
+    phases = ("wait_rollout", "pull_dispatch", "logp", "update", "weight_sync", "rest")
+    assert set(m["phases"]) == set(phases)
+    for name in phases:
+        assert m["phases"][name]["median_s"] >= 0 and m["phases"][name]["floor_s"] >= 0
+    assert m["phases"]["logp"]["floor_s"] > 0 and m["phases"]["weight_sync"]["floor_s"] > 0
+    assert m["steps"] == 3 and len(m["per_step"]) == 3
+    assert m["train_tokens_per_step"] > 0 and m["train_tokens_per_s"] > 0
+    assert m["train_info"]["layout"] == "padded"  # no varlen kernel on CPU
+    r = m["rollout"]
+    assert r["trained_gen_tokens_per_s"] > 0
+    assert r["mean_decode_batch"] >= 1 and 0 < r["busy_share"] <= 1
+    # The profiled step cycle left its files and figures.
+    assert m["profile"]["window_s"] > 0 and m["fixed_overhead_s"] is not None
+    assert (tmp_path / "runs" / "loop" / "bench" / "profile" / "top_ops_rank0.txt").exists()
+    assert m["issue16"]["arith.step_time_3_s"] == m["step_time_sum_s"]
+    assert m["issue16"]["arith.train_tokens_per_s"] > 0
+    printed = capsys.readouterr().out
+    assert "| weight_sync |" in printed and "floor" in printed
+
+
+def test_loop_bench_refuses_a_profile_step_outside_the_run(tmp_path, capsys):
+    assert main(["--steps", "3", "--profile-step", "3", "--run-dir", str(tmp_path)]) == 2
+    assert "--profile-step must be in 1..2" in capsys.readouterr().err

@@ -1,0 +1,59 @@
+"""Micro-batch token budgets and the layout of one FSDP rank on CPU (gloo, world size 1)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from arl.config import ActorConfig, ConfigError
+from arl.engines.fsdp import FSDPEngine, _resolve_layout
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("m")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cpu_defaults_to_padded_rows_and_an_8192_token_budget(model_dir):
+    eng = FSDPEngine(
+        ActorConfig(path=model_dir), rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_port()}"
+    )
+    try:
+        assert eng.layout == "padded"  # no varlen kernel on CPU: packing would need a dense mask
+        am = torch.arange(9000)[None] < torch.tensor([[9000], [10]])
+        batch = {"input_ids": torch.zeros_like(am, dtype=torch.long), "attention_mask": am}
+        assert eng._token_budget(batch) == 9000  # never below the longest row
+        assert eng._token_budget({k: v[1:, :10] for k, v in batch.items()}) == 8192
+        eng.cfg.max_tokens_per_mb = 512
+        assert eng._token_budget(batch) == 512  # an explicit budget is kept as given
+    finally:
+        eng.destroy()
+
+
+def test_layout_resolution():
+    assert _resolve_layout("auto", torch.device("cpu")) == "padded"
+    assert _resolve_layout("packed", torch.device("cpu")) == "packed"
+    with pytest.raises(ConfigError, match="actor.layout must be auto, packed or padded"):
+        _resolve_layout("dense", torch.device("cpu"))

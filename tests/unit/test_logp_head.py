@@ -1,0 +1,85 @@
+"""The chunked log-prob head and the layouts of `forward_logp` against the plain logits path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from arl.algo.losses import token_logp_entropy
+from arl.engines.fsdp import ChunkedLogpHead, forward_logp
+
+torch.set_num_threads(1)
+
+
+def tiny_model(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def rows() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    lens = torch.tensor([9, 4, 13, 7])
+    am = torch.arange(13)[None] < lens[:, None]
+    return torch.randint(1, 97, (4, 13), generator=g) * am, am
+
+
+def reference(model, ids, am, temperature):
+    """Log-probs and entropy from the whole fp32 logits of the padded rows."""
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    logits = model(input_ids=ids, attention_mask=am, position_ids=pos).logits
+    logp, ent = token_logp_entropy(logits, ids, pos, temperature)
+    return torch.where(am, logp, 0.0), torch.where(am, ent, 0.0)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_chunked_head_gives_the_logits_path_values_and_gradients(layout: str) -> None:
+    ids, am = rows()
+    plain, chunked = tiny_model(), tiny_model()
+    # 5-token chunks: every row spans several chunks and chunks cross sequence boundaries.
+    ChunkedLogpHead(chunked.lm_head, chunk_tokens=5)
+    want_logp, want_ent = reference(plain, ids, am, 0.7)
+    logp, ent = forward_logp(chunked, ids, am, 0.7, layout)
+    torch.testing.assert_close(logp, want_logp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=1e-5)
+    assert not ent.requires_grad
+    weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(2))
+    (want_logp * weights).sum().backward()
+    (logp * weights).sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), chunked.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_head_outside_targets_is_the_plain_linear() -> None:
+    model = tiny_model()
+    ids, _ = rows()
+    want = model(input_ids=ids).logits
+    ChunkedLogpHead(model.lm_head, chunk_tokens=3)
+    torch.testing.assert_close(model(input_ids=ids).logits, want)
+    assert set(model.state_dict()) == set(tiny_model().state_dict())
+
+
+def test_head_refuses_a_non_positive_temperature() -> None:
+    model = tiny_model()
+    ChunkedLogpHead(model.lm_head, chunk_tokens=3)
+    ids, am = rows()
+    with pytest.raises(ValueError, match="temperature must be positive"):
+        forward_logp(model, ids, am, 0.0, "padded")
+
+
+def test_models_that_rescale_logits_keep_the_plain_head() -> None:
+    from arl.engines.fsdp import _transforms_logits
+
+    assert not _transforms_logits(tiny_model().config)
+    cfg = tiny_model().config
+    cfg.final_logit_softcapping = 30.0  # Gemma-2 caps the logits after the output layer
+    assert _transforms_logits(cfg)
