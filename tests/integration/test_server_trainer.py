@@ -135,5 +135,6 @@ def test_vllm_verification_fails_when_a_sync_moves_no_weights(tmp_path, monkeypa
     monkeypatch.setattr(DiskSync, "transfer", no_transfer)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
     cfg = _vllm_config(tmp_path, python, "actor.lr=1e-3", "experiment.total_train_steps=2")
-    with pytest.raises(WeightSyncError, match="after the sync to version 1, the vllm engine"):
+    with pytest.raises(WeightSyncError, match="after the sync to version 1, the vllm engine") as e:
         asyncio.run(run(cfg))
+    print(e.value)

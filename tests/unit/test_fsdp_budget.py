@@ -27,6 +27,8 @@ def model_dir(tmp_path_factory) -> str:
         num_key_value_heads=1,
     )
     LlamaForCausalLM(cfg).save_pretrained(path)
+    # A model folder is refused without a tokenizer (arl.engines.model.validate_model_dir).
+    (path / "tokenizer_config.json").write_text("{}")
     return str(path)
 
 
