@@ -34,6 +34,7 @@ def _free_port() -> int:
 def test_one_bf16_update_on_one_gpu(tmp_path: Path):
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).save_pretrained(tmp_path / "model")
+    (tmp_path / "model" / "tokenizer_config.json").write_text("{}")  # a folder needs one
     cfg = ActorConfig(path=str(tmp_path / "model"), lr=1e-5, max_tokens_per_mb=8192)
     eng = FSDPEngine(
         cfg, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}", device="cuda"
@@ -79,6 +80,7 @@ def test_packed_varlen_rows_give_the_padded_log_probs(tmp_path: Path):
     the same log-probs up to bf16 rounding, and one micro-batch sized from free memory."""
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).save_pretrained(tmp_path / "model")
+    (tmp_path / "model" / "tokenizer_config.json").write_text("{}")  # a folder needs one
     batch = synthetic_train_batch(SMOLLM2_135M["vocab_size"], 8, 4, 64, 128)
     logps = {}
     for layout in ("packed", "padded"):
