@@ -159,9 +159,7 @@ class PPOTrainer:
         ``data`` is `load_data`'s (train, eval) rows, loaded here when not given."""
         cfg = self.cfg
         loop = asyncio.get_running_loop()
-        from arl.engines.model import resolve_model
-
-        model_path = await loop.run_in_executor(None, resolve_model, cfg.actor.path)
+        model_path = await loop.run_in_executor(None, self.resolve_model)
         self.model_path = model_path
         if data is None:
             data = await loop.run_in_executor(None, load_data, cfg)
@@ -192,6 +190,12 @@ class PPOTrainer:
         if state is not None:
             await self._restore(state)
         gc.freeze()  # the imports' long-lived objects: full collections would stall the loop
+
+    def resolve_model(self) -> str:
+        """The local HF folder of ``actor.path`` (checked: config, tokenizer, weights)."""
+        from arl.engines.model import resolve_model
+
+        return resolve_model(self.cfg.actor.path)
 
     async def _start_rollout_workers(self, model_path: str) -> None:
         cfg = self.cfg

@@ -183,6 +183,10 @@ class SimTrainer(PPOTrainer):
 
         self.stats.log = log_and_probe  # type: ignore[method-assign]
 
+    def resolve_model(self) -> str:
+        """The sim workers load no model: ``actor.path`` is only a name here."""
+        return self.cfg.actor.path
+
     async def _start_rollout_workers(self, model_path: str) -> None:
         s = self.spec
 

@@ -163,6 +163,10 @@ class SimTrainWorker:
         """Called by the node after construction: gives access to its shard store."""
         self.node = node
 
+    def warm_up(self) -> float:
+        """No first-pass costs to pay: the simulated update only takes time."""
+        return 0.0
+
     def load_batch(self, shards: list[dict[str, torch.Tensor]]) -> dict:
         """Keep this rank's pulled shards; count what arrived."""
         if not shards:

@@ -192,6 +192,7 @@ def save_tiny_llama(path: Path, seed: int = 0) -> Path:
         tie_word_embeddings=False,
     )
     LlamaForCausalLM(cfg).save_pretrained(path)
+    (path / "tokenizer_config.json").write_text("{}")  # model folders must carry a tokenizer
     return path
 
 
