@@ -32,7 +32,7 @@ from arl.control.rtensor import RTensor, ShardRef
 from arl.control.staleness import StalenessSemaphore
 from arl.data.loader import StatefulLoader
 from arl.engines.spec import SERVER_ENGINES, engine_spec
-from arl.node.daemon import resolve_import
+from arl.protocol.imports import resolve_import
 from arl.stats.logger import StatsLogger
 from arl.stats.trace import Tracer
 from arl.weights import SyncContext, WeightSync, WeightSyncError, make_weight_sync
