@@ -5,8 +5,11 @@ reaches every process it started in turn. On Linux the child also asks the kerne
 when its parent goes away without ending it (SIGKILL, a crash): ``PR_SET_PDEATHSIG``. Two
 details make that safe:
 
-- ``prctl`` is looked up in the parent; between fork and exec the child only calls it. Loading
-  a library in a forked child of a threaded program can deadlock on a lock another thread held.
+- No Python code runs between fork and exec (no ``preexec_fn``): in a forked child of a threaded
+  program it can deadlock on a lock another thread held at the fork (seen: a pytest process
+  with torch and loop threads left a child stuck before exec). Instead the child execs a tiny
+  interpreter (`death_signal_argv`) that sets the signal, checks that the parent is still the
+  one that spawned it, and execs the command; the signal setting survives that exec.
 - The kernel sends the signal when the *thread* that forked the child ends, not the process.
   So spawn from a thread that lives as long as the owner (the event loop's thread, or a thread
   that waits on the child).
@@ -18,35 +21,36 @@ is left after a grace period, and reap the leader. Both are safe to call more th
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-_PR_SET_PDEATHSIG = 1
 _POLL_S = 0.05
 
 
-def death_signal_hook() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that sets the parent-death signal (SIGTERM), or None where prctl does
-    not exist (there the owner's heartbeat timeout still ends an orphan)."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
+# Run as ``python -I -c _SET_DEATH_SIGNAL PARENT_PID CMD ARGS...``: sets SIGTERM as the
+# parent-death signal, exits if the parent already died, then becomes CMD (same pid).
+_SET_DEATH_SIGNAL = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
 
-    def hook() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
 
-    return hook
+def death_signal_argv(argv: Sequence[str]) -> list[str]:
+    """``argv`` run so that it gets SIGTERM when this process (its spawning thread) dies; on
+    systems without prctl, ``argv`` as it is (the owner's heartbeat timeout still ends an
+    orphan)."""
+    if not sys.platform.startswith("linux"):
+        return [str(a) for a in argv]
+    return [sys.executable, "-I", "-c", _SET_DEATH_SIGNAL, str(os.getpid()), *map(str, argv)]
 
 
 def process_group_members(pgid: int) -> list[int]:
@@ -145,14 +149,20 @@ def spawn(
     ``env`` replaces the environment when given (callers merge ``os.environ`` themselves);
     stdin is /dev/null. Raises `OSError` when the command cannot be run.
     """
+    argv = [str(a) for a in argv]
+    env = None if env is None else dict(env)
+    # The exec happens in the wrapper, so a missing command is looked up here, where the
+    # caller gets the OSError it would get from Popen.
+    search = (env or os.environ).get("PATH", os.defpath)
+    if not argv or shutil.which(argv[0], path=search if os.sep not in argv[0] else None) is None:
+        raise FileNotFoundError(f"cannot run {argv[0] if argv else '(empty command)'!r}")
     popen = subprocess.Popen(
-        [str(a) for a in argv],
-        env=None if env is None else dict(env),
+        death_signal_argv(argv),
+        env=env,
         cwd=cwd,
         stdin=subprocess.DEVNULL,
         stdout=stdout,
         stderr=stderr,
         start_new_session=True,
-        preexec_fn=death_signal_hook(),
     )
     return OwnedProcess(popen)

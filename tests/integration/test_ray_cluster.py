@@ -29,7 +29,7 @@ from arl.config import ConfigError
 from arl.control.controller import Controller, NodeLost
 from arl.control.placement import NodeSpec
 from arl.control.ray_launcher import RayNodes
-from arl.process import death_signal_hook
+from arl.process import death_signal_argv
 from arl.stats.logger import read_jsonl
 from arl.wire.sockets import Security, new_secret
 from tests.support.tiny_model import make_tiny_model, tiny_run_config
@@ -80,12 +80,11 @@ def ray_head():
         # cluster writes one); this private head and the test's drivers say: no token.
         mp.setenv("RAY_AUTH_MODE", "disabled")
         proc = subprocess.Popen(  # it ends when pytest dies, too (SIGTERM by PDEATHSIG)
-            cmd,
+            death_signal_argv(cmd),
             cwd=REPO,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=death_signal_hook(),
         )
         try:
             deadline = time.monotonic() + 120
