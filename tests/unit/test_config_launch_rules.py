@@ -24,7 +24,9 @@ def test_fewer_prompt_groups_than_train_ranks_is_refused():
 
 @pytest.mark.parametrize("batch", [3, 4, 6])
 def test_as_many_groups_as_train_ranks_or_more_is_fine(batch):
-    apply_overrides(Config(), ["actor.backend=fsdp:d3", f"data.batch_size={batch}"]).validate()
+    cfg = apply_overrides(Config(), ["actor.backend=fsdp:d3", f"data.batch_size={batch}"])
+    cfg.validate()  # raises ConfigError if the rule refused it
+    assert cfg.data.batch_size == batch
 
 
 def test_dry_run_refuses_it_before_any_process():

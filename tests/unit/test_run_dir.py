@@ -120,7 +120,10 @@ def test_overwrite_moves_the_earlier_run_aside(tmp_path):
 
 def test_a_new_trial_beside_a_finished_one_is_free(tmp_path):
     _finished(_cfg(tmp_path))
-    claim_run_dir(_cfg(tmp_path, "experiment.trial=trial1")).release()
+    new = _cfg(tmp_path, "experiment.trial=trial1")
+    claim = claim_run_dir(new)  # raises RunDirError if the finished trial blocked it
+    assert claim.path == new.run_path and claim.resume_step is None
+    claim.release()
 
 
 def test_checkpoints_being_a_file_is_found_before_launch(tmp_path):
