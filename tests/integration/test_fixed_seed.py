@@ -32,6 +32,13 @@ def _run(tmp_path: Path, model: str) -> list[dict]:
         "cluster.allowed_import_prefixes=[arl,tests]",
         "weight_sync.verify=false",
         "experiment.seed=3",
+        # One generation at a time: the engine's sampling RNG is drawn in the same order
+        # whatever the timing (concurrent requests interleave by when they arrive). One
+        # sample per prompt, normalised over the batch, still gives every step an update.
+        "rollout.max_concurrent_rollouts=1",
+        "gconfig.n_samples=1",
+        "actor.reward_norm_mean=batch",
+        "actor.reward_norm_std=batch",
     )
     asyncio.run(run(cfg))
     rows = read_jsonl(cfg.run_path / "metrics.jsonl")
