@@ -93,7 +93,7 @@ def detect_gpus(cfg: Config) -> int:
     return torch.cuda.device_count()
 
 
-def _run(cfg: Config, run_id: str | None = None) -> int:
+def _run(cfg: Config, run_id: str | None = None, data: tuple | None = None) -> int:
     """Run the experiment; with ``recover.mode=auto`` restart it from the last recovery
     checkpoint after a recoverable failure, at most ``recover.retries`` times (in the same run
     directory, under the same lock and run id)."""
@@ -111,7 +111,7 @@ def _run(cfg: Config, run_id: str | None = None) -> int:
     restarts = 0
     while True:
         try:
-            runner(run(cfg, run_id))
+            runner(run(cfg, run_id, data))
             return 0
         except (NodeLost, RolloutFailed, CallTimeout, RemoteError, CheckpointError) as e:
             # The cluster is down by now (every process of the attempt was ended).
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         # Everything a user can get wrong is checked before any node starts or any file is
         # written: the model and data, then the run directory (lock, earlier run, writability).
         check_model(cfg)
-        check_data(cfg)
+        data = check_data(cfg)  # loaded once: the run (and its restarts) use these rows
         claim = claim_run_dir(cfg)
         log = logging.getLogger("arl.launch")
         if claim.moved_to is not None:
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("the config differs from the earlier run's; that one is kept as %s", kept)
         saved = save_resolved(cfg, cfg.run_path / "config.yaml")
         log.info("resolved config saved to %s (run id %s)", saved, claim.run_id)
-        return _run(cfg, claim.run_id)
+        return _run(cfg, claim.run_id, data)
     except (ConfigError, DatasetError, RunDirError, InputError, ModelResolutionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

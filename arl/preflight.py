@@ -32,14 +32,16 @@ def check_model(cfg: Config) -> str:
     return resolved[0]
 
 
-def check_data(cfg: Config) -> None:
+def check_data(cfg: Config) -> tuple[list[dict], list[dict]]:
     """Load the training split (and the evaluation split when evaluation is on) through
-    ``data.loader``, so a missing file or an empty split is found before launch."""
+    ``data.loader``, so a missing file or an empty split is found before launch; returns them
+    as `arl.trainer.load_data` does, so the run does not load them again."""
     from arl.trainer import load_rows
 
     splits = [cfg.data.train_split]
     if cfg.evaluator.freq_steps:
         splits.append(cfg.data.eval_split)
+    loaded = []
     for split in splits:
         where = f"data.path={cfg.data.path} (split {split!r}, data.loader={cfg.data.loader})"
         try:
@@ -57,6 +59,9 @@ def check_data(cfg: Config) -> None:
             raise InputError(f"{where}: {_describe(e)}{hint}") from e
         if not rows:
             raise InputError(f"{where}: the split has no rows; point data.path at a dataset")
+        loaded.append(rows)
+    train, *rest = loaded
+    return train, (rest[0][: cfg.evaluator.max_questions or None] if rest else [])
 
 
 def _describe(e: BaseException) -> str:

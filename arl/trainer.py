@@ -46,14 +46,18 @@ PROBE_MESSAGES = [
 ]
 
 
-async def run(cfg: Config, run_id: str | None = None) -> None:
-    """Run the whole experiment described by ``cfg`` (metrics rows carry ``run_id``)."""
+async def run(
+    cfg: Config, run_id: str | None = None, data: tuple[list[dict], list[dict]] | None = None
+) -> None:
+    """Run the whole experiment described by ``cfg`` (metrics rows carry ``run_id``); ``data``
+    is `load_data`'s (train, eval) rows when the caller already loaded them."""
     from arl.launch import detect_gpus
 
     t0 = time.monotonic()
     plan = plan_placement(cfg, detect_gpus(cfg))
     # The data first: a missing or unreachable dataset fails before any process starts.
-    data = await asyncio.get_running_loop().run_in_executor(None, load_data, cfg)
+    if data is None:
+        data = await asyncio.get_running_loop().run_in_executor(None, load_data, cfg)
     async with start_cluster(cfg, plan) as cluster:
         trainer = PPOTrainer(cfg, cluster, run_id=run_id)
         try:
