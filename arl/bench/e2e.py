@@ -53,9 +53,17 @@ def e2e_config(recipe: str, eta: int, steps: int, out: Path, overrides: list[str
         "stats.progress_bar=false",
         "stats.trace=true",
     ]
+    return bench_config(cfg, bench, CPU_PRESET, overrides)
+
+
+def bench_config(
+    cfg: Config, bench: list[str], cpu_preset: list[str], overrides: list[str]
+) -> Config:
+    """``cfg`` with a benchmark's settings, then its CPU preset when the plan has no GPU, then
+    the user's overrides (which always win); validated."""
     cfg = apply_overrides(cfg, bench + overrides)
     if detect_gpus(cfg) == 0:
-        cfg = apply_overrides(cfg, bench + CPU_PRESET + overrides)
+        cfg = apply_overrides(cfg, bench + cpu_preset + overrides)
     cfg.validate()
     return cfg
 

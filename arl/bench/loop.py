@@ -38,7 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from arl.config import Config, ConfigError, apply_overrides
+from arl.bench.e2e import bench_config
+from arl.config import Config, ConfigError
 from arl.launch import detect_gpus, load_recipe
 
 CPU_PRESET = [
@@ -75,11 +76,7 @@ def loop_config(recipe: str, steps: int, out: Path, overrides: list[str]) -> Con
         "stats.progress_bar=false",
         "stats.trace=true",
     ]
-    cfg = apply_overrides(cfg, bench + overrides)
-    if detect_gpus(cfg) == 0:
-        cfg = apply_overrides(cfg, bench + CPU_PRESET + overrides)
-    cfg.validate()
-    return cfg
+    return bench_config(cfg, bench, CPU_PRESET, overrides)
 
 
 async def _sample_engines(workers: list, samples: list[tuple[float, list[dict]]]) -> None:

@@ -24,11 +24,14 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Awaitable, Mapping, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import aiohttp
 
 from arl.process import OwnedProcess, spawn
+
+if TYPE_CHECKING:
+    from arl.engines.spec import EngineSpec
 
 log = logging.getLogger(__name__)
 
@@ -295,6 +298,21 @@ class HttpServerEngine:
         self._failure: ServerExited | None = None
         self._failed = asyncio.Event()
         self._watchdog: asyncio.Task | None = None
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec, **options: object) -> HttpServerEngine:
+        """The engine of a rollout node's `EngineSpec` (every setting of the spec reaches the
+        server's command line); ``options`` are further constructor arguments (``env``...)."""
+        return cls(  # type: ignore[call-arg] - the subclasses take these keywords
+            spec.model_path,
+            python=spec.python,
+            server_args=spec.server_args,
+            tp_size=spec.tp_size,
+            dtype=spec.dtype,
+            seed=spec.seed,
+            start_timeout_s=spec.start_timeout_s,
+            **options,
+        )
 
     @property
     def base_url(self) -> str:

@@ -97,21 +97,6 @@ class SGLangEngine(HttpServerEngine):
         )
         self.model_path = model_path
 
-    @classmethod
-    def from_spec(cls, spec: EngineSpec, **options: object) -> SGLangEngine:
-        """The engine of a rollout node's `EngineSpec` (every setting of the spec reaches the
-        server's command line); ``options`` are further constructor arguments (``env``...)."""
-        return cls(
-            spec.model_path,
-            python=spec.python,
-            server_args=spec.server_args,
-            tp_size=spec.tp_size,
-            dtype=spec.dtype,
-            seed=spec.seed,
-            start_timeout_s=spec.start_timeout_s,
-            **options,  # type: ignore[arg-type]
-        )
-
     @staticmethod
     def command_line(spec: EngineSpec, host: str, port: str) -> list[str]:
         """The server command `from_spec` runs, with ``port`` as given."""

@@ -66,7 +66,7 @@ class VLLMEngine(HttpServerEngine):
         port: int = 0,
         env: Mapping[str, str] | None = None,
         logprobs_mode: str = "processed_logprobs",
-        tensor_parallel_size: int | None = None,
+        tp_size: int | None = None,
         dtype: str | None = None,
         seed: int | None = None,
         start_timeout_s: float = 600.0,
@@ -85,7 +85,7 @@ class VLLMEngine(HttpServerEngine):
             host,
             str(port),
             logprobs_mode=logprobs_mode,
-            tensor_parallel_size=tensor_parallel_size,
+            tensor_parallel_size=tp_size,
             dtype=dtype,
             seed=seed,
             server_args=server_args,
@@ -102,21 +102,6 @@ class VLLMEngine(HttpServerEngine):
             max_connections=max_connections,
         )
         self.model_path = model_path
-
-    @classmethod
-    def from_spec(cls, spec: EngineSpec, **options: object) -> VLLMEngine:
-        """The engine of a rollout node's `EngineSpec` (every setting of the spec reaches the
-        server's command line); ``options`` are further constructor arguments (``env``...)."""
-        return cls(
-            spec.model_path,
-            python=spec.python,
-            server_args=spec.server_args,
-            tensor_parallel_size=spec.tp_size,
-            dtype=spec.dtype,
-            seed=spec.seed,
-            start_timeout_s=spec.start_timeout_s,
-            **options,  # type: ignore[arg-type]
-        )
 
     @staticmethod
     def command_line(spec: EngineSpec, host: str, port: str) -> list[str]:
