@@ -41,6 +41,20 @@ def tiny_model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
+async def _until_vllm_runs_requests(base_url: str, timeout: float = 120.0) -> None:
+    """Return once vLLM's metrics show a running request."""
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            async with session.get(base_url + "/metrics") as resp:
+                text = await resp.text()
+            running = [ln for ln in text.splitlines() if ln.startswith("vllm:num_requests_running")]
+            if sum(float(ln.rsplit(" ", 1)[1]) for ln in running) > 0:
+                return
+            await asyncio.sleep(0.02)
+    raise AssertionError(f"vLLM at {base_url} ran no request within {timeout} s")
+
+
 async def _tokens_in_flight(base_url: str) -> int:
     async with aiohttp.ClientSession() as session:
         async with session.get(base_url + "/get_load") as resp:
@@ -185,6 +199,8 @@ def test_rollout_node_stops_naming_its_killed_vllm_server(tmp_path):
 
     model = resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
     row = make_arith(1, seed=0, split="test")[0]
+    # A long answer, so the group is still generating when its server is killed.
+    row["messages"] = [{"role": "user", "content": "Tell a long story about a lighthouse."}]
 
     async def scenario():
         async with local_cluster(1, heartbeat_interval=0.5, heartbeat_timeout=60) as (
@@ -211,7 +227,9 @@ def test_rollout_node_stops_naming_its_killed_vllm_server(tmp_path):
             )
             health = await worker.setup()
             group = asyncio.create_task(worker.run_group("g0", row))
-            await asyncio.sleep(5)  # generating by now (or finished: the group is not needed)
+            # Killed while it generates: an idle machine answers a short question within a
+            # second, so the kill waits for requests running on the server, not a fixed time.
+            await _until_vllm_runs_requests(health["url"])
             os.kill(health["pid"], signal.SIGKILL)
             with pytest.raises((RemoteError, NodeLost)) as failed:  # as with the stand-in
                 await group
