@@ -271,7 +271,8 @@ def _load_sharded(
     varlen: bool = False,
     compile_layers: bool = False,
 ) -> torch.nn.Module:
-    """Load a HF causal LM and shard each decoder layer and the root with FSDP2.
+    """Load a HF causal LM and shard it with FSDP2: each decoder layer (on more than one rank)
+    and the root.
 
     The trainable model keeps fp32 master weights and computes in ``compute_dtype`` with fp32
     gradient reduction; the frozen reference is loaded directly in ``compute_dtype``. ``varlen``
@@ -308,7 +309,9 @@ def _load_sharded(
         # forward; the gathered bf16 layers stay until the backward reshards them.
         kwargs["reshard_after_forward"] = False
     # HF lists its decoder-layer classes in _no_split_modules: one FSDP unit per layer bounds
-    # the all-gathered memory to one layer at a time.
+    # the all-gathered memory to one layer at a time. One rank gathers nothing (its shard is
+    # the whole model), so there the root is the only unit: one copy and cast per pass instead
+    # of one per layer, whose per-unit hooks bound a small model's step on the host.
     layer_names = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in layer_names]
     if not layers:
@@ -317,7 +320,8 @@ def _load_sharded(
             f"{sorted(layer_names)}); FSDP needs a HF causal LM with per-layer modules"
         )
     for layer in layers:
-        fully_shard(layer, **kwargs)
+        if mesh.size() > 1:
+            fully_shard(layer, **kwargs)
         if compile_layers:
             # Per layer, not the whole model: FSDP's hooks stay outside the compiled region, and
             # every layer shares one compiled graph (dynamic token counts).
@@ -398,6 +402,9 @@ class FSDPEngine:
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             eps=cfg.adam_eps,
             weight_decay=cfg.weight_decay,
+            # One multi-tensor kernel for all parameters on CUDA, its step counts on the device:
+            # no per-parameter host work (the default foreach path reads each step on the host).
+            fused=self.device.type == "cuda",
         )
         self.ref: torch.nn.Module | None = None
         if cfg.kl_ctl > 0:
