@@ -1,40 +1,33 @@
-"""The embedded ``hf`` inference engine: a transformers causal LM with continuous batching.
-
-One background thread (owned by the engine, started on the first request, ended by `close()`)
-runs the decode loop over every active request. New requests join between decode steps: their
-prompts (all but the last token) are prefilled straight into free rows of a slot KV cache, and
-the last prompt token is fed by the next decode step, which therefore also samples their first
-output token. Each cache row holds one request at its own length; a per-row additive attention
-mask and per-row position ids keep requests of different lengths apart in one batch. Results
-reach the caller's event loop with ``loop.call_soon_threadsafe``; the loop is never blocked.
-
-Log-probs: each returned log-prob is ``log_softmax(logits / T)`` of the sampled token, taken
-after temperature and *before* top-p/top-k truncation, which is what the trainer recomputes.
-Greedy requests use ``T = temperature`` if it is positive, else 1.
-
-On CUDA the decode step is replayed from CUDA graphs, one per (batch bucket, KV-length bucket),
-since per-step host overhead, not the GPU, bounds an eager decode step. Prefill stays eager, so
-newcomers are admitted at most every ``prefill_interval`` decode steps while others run.
-"""
+"""`HFEngine`: the hf engine's public API and its decode (scheduler) thread; see the package
+docstring for the design."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
-import inspect
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import attrs
 import torch
 
 from arl.engines.base import FinishReason, GenerationResult, SamplingParams
+from arl.engines.hf.attention import cache_kwarg, compile_norm_and_mlp, register_attention
+from arl.engines.hf.errors import (
+    EngineClosedError,
+    EngineNotPausedError,
+    EngineStepError,
+    HFEngineError,
+    UnknownWeightError,
+)
+from arl.engines.hf.graphs import DecodeGraphs, bucket
+from arl.engines.hf.kv_cache import SlotKVCache
+from arl.engines.hf.request import Request, deliver, on_future_done, settle
+from arl.engines.hf.weights import checksum_named_tensors, iter_safetensors
 
 if TYPE_CHECKING:
     from arl.engines.spec import EngineSpec
@@ -42,48 +35,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_MIN_SEQ_CAPACITY = 128  # first KV allocation; grows by doubling up to max_seq_len
-_MIN_ROW_CAPACITY = 4
-
-
-class HFEngineError(RuntimeError):
-    """Base class of the errors the hf engine raises."""
-
-
-class EngineClosedError(HFEngineError):
-    """The engine was closed; create a new one to keep generating."""
-
-
-class EngineNotPausedError(HFEngineError):
-    """A weight update was attempted while generation may be running."""
-
-
-class EngineStepError(HFEngineError):
-    """A prefill or decode step failed; the requests in it were failed with this error."""
-
-
-class UnknownWeightError(HFEngineError, KeyError):
-    """A weight name given to `update_weights` is not a parameter or buffer of the model."""
-
-
-def checksum_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """sha256 over (name, dtype, shape, raw bytes) of each tensor, in sorted name order.
-
-    Trainer and engine compute it the same way to check that they hold identical weights; the
-    dtype is part of the hash, so cast both sides to the same dtype first.
-    """
-    items: dict[str, torch.Tensor] = {}
-    for name, tensor in named_tensors:
-        if name in items:
-            raise ValueError(f"checksum_named_tensors: tensor name {name!r} appears twice")
-        items[name] = tensor
-    digest = hashlib.sha256()
-    for name in sorted(items):
-        t = items[name].detach()
-        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
-        raw = t.to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        digest.update(raw.numpy().data)
-    return digest.hexdigest()
 
 
 def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -94,86 +45,6 @@ def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def _grouped_decode_attention(
-    module: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """SDPA that decodes grouped-query heads without copying the KV cache.
-
-    transformers' sdpa path repeats every key/value head ``num_key_value_groups`` times before
-    calling SDPA whenever a mask is given, which is every decode step of this engine: per layer a
-    copy of the whole cache, three times its size for SmolLM2. With one query token per row the
-    query heads sharing a KV head can instead stand in the query-length dimension, so SDPA reads
-    each cached key and value once. Prefill (several query tokens) takes the stock path.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    groups = getattr(module, "num_key_value_groups", 1)
-    if query.shape[2] != 1 or groups == 1 or dropout:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    rows, heads, _, dim = query.shape
-    packed = query.reshape(rows, heads // groups, groups, dim)  # head h reads KV head h // groups
-    out = torch.nn.functional.scaled_dot_product_attention(
-        packed, key, value, attn_mask=attention_mask, scale=scaling
-    )
-    return out.reshape(rows, heads, 1, dim).transpose(1, 2), None
-
-
-_ATTENTION = "arl_grouped_decode"
-
-
-def _register_attention() -> str:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(_ATTENTION, _grouped_decode_attention)
-    return _ATTENTION
-
-
-def _compile_blocks(model: Any) -> int:
-    """``torch.compile`` the forward of every RMSNorm and MLP block of ``model`` in place.
-
-    Each distinct block is run once on a dummy input here, so a machine where compilation
-    cannot work (no Triton, no compiler) falls back to eager blocks now, with a warning, rather
-    than failing a generation step later. Returns how many blocks were compiled.
-    """
-    blocks = [
-        m
-        for m in model.modules()
-        if type(m).__name__.endswith(("RMSNorm", "MLP")) and "forward" not in vars(m)
-    ]
-    if not blocks:
-        return 0
-    for m in blocks:
-        m.forward = torch.compile(m.forward, dynamic=True)
-    try:
-        hidden = model.config.hidden_size
-        param = next(model.parameters())
-        probe = torch.zeros(2, 3, hidden, dtype=param.dtype, device=param.device)
-        with torch.no_grad():
-            for kind in {type(m) for m in blocks}:
-                next(m for m in blocks if type(m) is kind)(probe)
-    except Exception as exc:  # noqa: BLE001 - any compiler failure: keep the eager blocks
-        logger.warning("torch.compile of the norm/MLP blocks failed (%r); running eagerly", exc)
-        for m in blocks:
-            del m.forward
-        return 0
-    return len(blocks)
-
-
-def _cache_kwarg(fn: Any) -> str:
-    """transformers 5.24 renamed ``past_key_values`` to ``cache``; pass whichever fn takes."""
-    params = inspect.signature(fn).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def _eos_ids(model: Any) -> frozenset[int]:
     gen_cfg = getattr(model, "generation_config", None)
     eos = getattr(gen_cfg, "eos_token_id", None)
@@ -182,146 +53,6 @@ def _eos_ids(model: Any) -> frozenset[int]:
     if eos is None:
         return frozenset()
     return frozenset([eos] if isinstance(eos, int) else eos)
-
-
-class _SlotKVCache:
-    """KV cache of fixed rows: row i of each layer's buffer holds request i at its own length.
-
-    The model calls `update` once per layer. In prefill mode the new rows' keys/values are
-    written at positions 0..L-1 and returned as they are (a new prompt attends only to itself);
-    in decode mode each row's single new key/value is written at that row's position and the
-    first ``kv_len`` positions of all active rows are returned for the masked attention.
-    """
-
-    def __init__(self, max_rows: int, max_seq: int) -> None:
-        self._max_rows, self._max_seq = max_rows, max_seq
-        self._rows_cap, self._seq_cap = 0, 0
-        self.keys: dict[int, torch.Tensor] = {}
-        self.values: dict[int, torch.Tensor] = {}
-        self._prefill: tuple[int, int, int] | None = None
-        self._decode: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
-        self._kv_len = 0
-        self.generation = 0  # bumped when buffers are reallocated (captured graphs go stale)
-
-    def reserve(self, rows: int, seq: int) -> None:
-        """Make room for ``rows`` rows of ``seq`` positions (buffers grow by doubling)."""
-        if rows > self._rows_cap:
-            self._rows_cap = min(self._max_rows, max(rows, 2 * self._rows_cap, _MIN_ROW_CAPACITY))
-        if seq > self._seq_cap:
-            self._seq_cap = min(self._max_seq, max(seq, 2 * self._seq_cap, _MIN_SEQ_CAPACITY))
-
-    def begin_prefill(self, row0: int, rows: int, length: int) -> None:
-        """The next forward writes ``rows`` new rows from ``row0``, ``length`` tokens each."""
-        self._prefill, self._decode, self._kv_len = (row0, rows, length), None, length
-
-    def begin_decode(self, row_idx: torch.Tensor, positions: torch.Tensor, kv_len: int) -> None:
-        """The next forward decodes one token for rows 0..n-1, written at ``positions``."""
-        self._decode = (len(row_idx), kv_len, row_idx, positions)
-        self._prefill, self._kv_len = None, kv_len
-
-    def _buffers(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self.keys.get(layer)
-        if k is None or k.shape[0] < self._rows_cap or k.shape[2] < self._seq_cap:
-            shape = (self._rows_cap, like.shape[1], self._seq_cap, like.shape[3])
-            # zeros, not empty: masked positions are multiplied by 0 in attention, and a NaN
-            # left in uninitialised memory would survive that.
-            new_k = torch.zeros(shape, dtype=like.dtype, device=like.device)
-            new_v = torch.zeros(shape, dtype=like.dtype, device=like.device)
-            if k is not None:
-                v = self.values[layer]
-                new_k[: k.shape[0], :, : k.shape[2]] = k
-                new_v[: v.shape[0], :, : v.shape[2]] = v
-            self.keys[layer], self.values[layer] = new_k, new_v
-            self.generation += 1
-        return self.keys[layer], self.values[layer]
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this step's keys/values for ``layer_idx`` and return what attention reads."""
-        k, v = self._buffers(layer_idx, key_states)
-        if self._prefill is not None:
-            row0, rows, length = self._prefill
-            k[row0 : row0 + rows, :, :length] = key_states
-            v[row0 : row0 + rows, :, :length] = value_states
-            return key_states, value_states
-        if self._decode is None:
-            raise HFEngineError("_SlotKVCache.update called outside a prefill or decode step")
-        n, kv_len, row_idx, positions = self._decode
-        k[row_idx, :, positions] = key_states[:, :, 0]
-        v[row_idx, :, positions] = value_states[:, :, 0]
-        return k[:n, :, :kv_len], v[:n, :, :kv_len]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Longest length attended to in this step (asked for when position ids are absent)."""
-        return self._kv_len
-
-    def move_rows(self, dst: torch.Tensor, src: torch.Tensor, kv_len: int) -> None:
-        """Copy rows ``src`` into rows ``dst`` (first ``kv_len`` positions): compaction."""
-        for layer, k in self.keys.items():
-            v = self.values[layer]
-            k[dst, :, :kv_len] = k[src, :, :kv_len]
-            v[dst, :, :kv_len] = v[src, :, :kv_len]
-
-    def free(self) -> None:
-        """Drop the buffers (the engine is closing)."""
-        self.keys.clear()
-        self.values.clear()
-        self._rows_cap = self._seq_cap = 0
-        self.generation += 1
-
-
-def _bucket(n: int, floor: int, cap: int) -> int:
-    """The power of two >= max(n, floor), at most ``cap`` (n <= cap)."""
-    return min(cap, max(floor, 1 << (n - 1).bit_length()))
-
-
-@attrs.define
-class _DecodeGraph:
-    graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # [rows, vocab], written by each replay
-
-
-@attrs.define(eq=False)
-class _Request:
-    prompt: list[int]
-    max_new: int
-    stop: frozenset[int]
-    temperature: float  # the T of the returned log-probs (1 for greedy with temperature 0)
-    top_p: float
-    top_k: int
-    greedy: bool
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
-    out: list[int] = attrs.field(factory=list)
-    logprobs: list[float] = attrs.field(factory=list)
-    versions: list[int] = attrs.field(factory=list)
-    pos: int = 0  # tokens held in this request's cache row
-    cancelled: bool = False
-
-    def result(self, reason: FinishReason) -> GenerationResult:
-        return GenerationResult(self.out, self.logprobs, self.versions, reason)
-
-
-def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if fut.done():  # the caller gave up (cancelled) meanwhile
-        return
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(result)
-
-
-def _deliver(req: _Request, result: Any = None, error: BaseException | None = None) -> None:
-    try:
-        req.loop.call_soon_threadsafe(_settle, req.future, result, error)
-    except RuntimeError:  # the caller's loop is closed: nobody is waiting for this answer
-        pass
-
-
-def _on_future_done(req: _Request, fut: asyncio.Future) -> None:
-    if fut.cancelled():
-        req.cancelled = True  # read by the decode thread, which drops the row
 
 
 class HFEngine:
@@ -379,15 +110,15 @@ class HFEngine:
         model = AutoModelForCausalLM.from_pretrained(
             model_path,
             dtype=self.dtype,
-            attn_implementation=_register_attention() if grouped_attention else "sdpa",
+            attn_implementation=register_attention() if grouped_attention else "sdpa",
         )
         self._model = model.to(self.device).eval().requires_grad_(False)
-        self._cache_kw = _cache_kwarg(self._model.forward)
+        self._cache_kw = cache_kwarg(self._model.forward)
         # torch.compile of the norms and MLPs fuses their elementwise kernels (a decode step of a
         # small model is ~1,250 tiny kernels, each a few microseconds even inside a CUDA graph).
         # The whole model compiles too, but in minutes; these blocks compile in seconds.
         want = self.cuda_graphs if compile_blocks is None else compile_blocks
-        self.compiled_blocks = _compile_blocks(self._model) if want and on_cuda else 0
+        self.compiled_blocks = compile_norm_and_mlp(self._model) if want and on_cuda else 0
         self._eos = _eos_ids(self._model)
         self._vocab_size = int(self._model.get_input_embeddings().weight.shape[0])
         # Some models pad the output layer past the input vocabulary: sample over the logits.
@@ -396,7 +127,7 @@ class HFEngine:
         # Parameters and buffers by every name a state dict may use (tied aliases included).
         self._weights: dict[str, torch.Tensor] = dict(self._model.state_dict(keep_vars=True))
 
-        self._cache = _SlotKVCache(max_batch_size, max_seq_len)
+        self._cache = SlotKVCache(max_batch_size, max_seq_len)
         dev, b = self.device, max_batch_size
         self._row_idx = torch.arange(b, device=dev)
         self._kv_arange = torch.arange(max_seq_len, device=dev)
@@ -421,8 +152,8 @@ class HFEngine:
 
         self._cv = threading.Condition()  # guards the fields below; held only briefly
         self._model_lock = threading.Lock()  # held by a forward step or a weight update
-        self._pending: deque[_Request] = deque()
-        self._rows: list[_Request] = []  # owned by the decode thread
+        self._pending: deque[Request] = deque()
+        self._rows: list[Request] = []  # owned by the decode thread
         self._pause_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._paused = False
         self._parked = False
@@ -437,9 +168,7 @@ class HFEngine:
         self._prefills = 0
         self._prefill_tokens = 0
         self._last_admit_step = 0
-        self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
-        self._graphs_generation = -1
-        self._graph_pool: Any = None
+        self._graphs = DecodeGraphs(self.device)
 
     # ----------------------------------------------------------------- public API
 
@@ -449,7 +178,7 @@ class HFEngine:
         req = self._make_request(list(input_ids), sampling, loop)
         if req.max_new == 0:
             return req.result("length")
-        req.future.add_done_callback(functools.partial(_on_future_done, req))
+        req.future.add_done_callback(functools.partial(on_future_done, req))
         with self._cv:
             self._raise_if_unusable_locked()
             self._pending.append(req)
@@ -552,7 +281,7 @@ class HFEngine:
 
     def update_weights_from_disk(self, path: str | Path) -> int:
         """Load every ``*.safetensors`` file of an HF folder (or one file) into the model."""
-        return self.update_weights(_iter_safetensors(Path(path)))
+        return self.update_weights(iter_safetensors(Path(path)))
 
     def weights_checksum(self) -> str:
         """`checksum_named_tensors` over the model's state dict (tied aliases included, as the
@@ -576,9 +305,8 @@ class HFEngine:
             self._rows = []
             self._release_pause_waiters_locked()
         for req in leftovers:
-            _deliver(req, error=EngineClosedError("the HFEngine was closed during this request"))
+            deliver(req, error=EngineClosedError("the HFEngine was closed during this request"))
         self._graphs.clear()
-        self._graph_pool = None
         self._cache.free()
 
     @classmethod
@@ -597,7 +325,7 @@ class HFEngine:
 
     def _make_request(
         self, prompt: list[int], sp: SamplingParams, loop: asyncio.AbstractEventLoop
-    ) -> _Request:
+    ) -> Request:
         if not prompt:
             raise ValueError("input_ids is empty: the engine needs at least one prompt token")
         if len(prompt) >= self.max_seq_len:
@@ -614,7 +342,7 @@ class HFEngine:
                 f"0 < top_p <= 1, top_k >= 0; got {sp}"
             )
         greedy = sp.greedy or sp.temperature == 0
-        return _Request(
+        return Request(
             prompt=prompt,
             max_new=sp.max_new_tokens,
             stop=self._eos | frozenset(sp.stop_token_ids),
@@ -635,7 +363,7 @@ class HFEngine:
     def _release_pause_waiters_locked(self) -> None:
         for loop, fut in self._pause_waiters:
             try:
-                loop.call_soon_threadsafe(_settle, fut, None, None)
+                loop.call_soon_threadsafe(settle, fut, None, None)
             except RuntimeError:
                 pass
         self._pause_waiters.clear()
@@ -657,7 +385,7 @@ class HFEngine:
                 self._rows = []
                 self._release_pause_waiters_locked()
             for req in leftovers:
-                _deliver(req, error=HFEngineError(f"the decode thread died: {exc!r}"))
+                deliver(req, error=HFEngineError(f"the decode thread died: {exc!r}"))
 
     def _serve(self) -> None:
         while True:
@@ -694,14 +422,14 @@ class HFEngine:
             return bool(self._rows)
         return bool(self._pending or self._rows)
 
-    def _take_pending_locked(self) -> list[_Request]:
+    def _take_pending_locked(self) -> list[Request]:
         # Between intervals, admit only a crowd at least as large as the running batch: then the
         # prefill's cost is shared by as many requests as a decode step serves.
         waited = self._steps - self._last_admit_step
         if self._rows and waited < self.prefill_interval and len(self._pending) < len(self._rows):
             return []
         room = self.max_batch_size - len(self._rows)
-        taken: list[_Request] = []
+        taken: list[Request] = []
         while self._pending and len(taken) < room:
             req = self._pending.popleft()
             if not req.cancelled:
@@ -711,14 +439,14 @@ class HFEngine:
     def _abort_rows(self) -> None:
         rows, self._rows = self._rows, []
         for req in rows:
-            _deliver(req, req.result("abort"))
+            deliver(req, req.result("abort"))
 
     def _drop_cancelled(self) -> None:
         dead = [i for i, req in enumerate(self._rows) if req.cancelled]
         if dead:
             self._remove_rows(dead)
 
-    def _fail_step(self, exc: Exception, newcomers: list[_Request]) -> None:
+    def _fail_step(self, exc: Exception, newcomers: list[Request]) -> None:
         logger.exception("hf engine step failed; failing the requests in it")
         self._last_error = repr(exc)
         failed = {id(r): r for r in self._rows + newcomers}
@@ -726,12 +454,12 @@ class HFEngine:
         err = EngineStepError(f"generation step failed: {exc!r}")
         err.__cause__ = exc
         for req in failed.values():
-            _deliver(req, error=err)
+            deliver(req, error=err)
 
-    def _admit(self, newcomers: list[_Request]) -> None:
+    def _admit(self, newcomers: list[Request]) -> None:
         """Prefill newcomers into rows after the active ones, in chunks of bounded tokens."""
         self._last_admit_step = self._steps
-        chunk: list[_Request] = []
+        chunk: list[Request] = []
         longest = 0
         for req in newcomers:
             length = len(req.prompt) - 1
@@ -743,7 +471,7 @@ class HFEngine:
         if chunk:
             self._prefill(chunk)
 
-    def _prefill(self, chunk: list[_Request]) -> None:
+    def _prefill(self, chunk: list[Request]) -> None:
         # Prompts of one token need no prefill; put the others first so they form one block.
         chunk = sorted(chunk, key=lambda r: len(r.prompt) == 1)
         row0, dev = len(self._rows), self.device
@@ -825,7 +553,7 @@ class HFEngine:
             # Free the rows before answering, so a caller never sees its request still running.
             self._remove_rows([i for i, _ in finished])
             for req, reason in done:
-                _deliver(req, req.result(reason))
+                deliver(req, req.result(reason))
 
     def _forward_decode(self, rows: int, kv_len: int) -> torch.Tensor:
         """One token for each of rows 0..rows-1, attending to ``kv_len`` positions: logits."""
@@ -843,52 +571,26 @@ class HFEngine:
 
     def _graph_logits(self, n: int, kv_len: int) -> torch.Tensor:
         """Replay (capturing on first use) the graph of the bucket holding ``n`` rows."""
-        rows = _bucket(n, 1, self.max_batch_size)
-        width = _bucket(kv_len, 64, self.max_seq_len)
+        rows = bucket(n, 1, self.max_batch_size)
+        width = bucket(kv_len, 64, self.max_seq_len)
         self._cache.reserve(rows, width)
         if rows > n:
             # Padding rows compute garbage into free cache rows; keep their writes in bounds.
             self._pos[n:rows] = 0
-        graph = self._graphs.get((rows, width))
-        if graph is None or self._graphs_generation != self._cache.generation:
-            try:
-                graph = self._capture(rows, width)
-            except Exception as exc:
-                # A model whose forward cannot be captured still works, only slower.
-                logger.exception("CUDA graph capture failed; decoding eagerly from now on")
-                self._last_error = f"CUDA graph capture failed: {exc!r}"
-                self.cuda_graphs = False
-                self._graphs.clear()
-                self._graph_pool = None
-                torch.cuda.synchronize(self.device)
-                return self._forward_decode(n, kv_len)
+        try:
+            graph = self._graphs.get(rows, width, self._cache, self._forward_decode)
+        except Exception as exc:
+            # A model whose forward cannot be captured still works, only slower.
+            logger.exception("CUDA graph capture failed; decoding eagerly from now on")
+            self._last_error = f"CUDA graph capture failed: {exc!r}"
+            self.cuda_graphs = False
+            self._graphs.clear()
+            torch.cuda.synchronize(self.device)
+            return self._forward_decode(n, kv_len)
         graph.graph.replay()
         return graph.logits[:n]
 
-    def _capture(self, rows: int, width: int) -> _DecodeGraph:
-        # Warm-up runs eagerly: it grows the cache if needed (which makes older graphs stale)
-        # and writes exactly the keys/values this step's replay writes again.
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward_decode(rows, width)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        if self._graphs_generation != self._cache.generation:
-            # Destroying the graphs releases their memory pool; its handle cannot be reused.
-            self._graphs.clear()
-            self._graph_pool = None
-            self._graphs_generation = self._cache.generation
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-            logits = self._forward_decode(rows, width)
-        self._graphs[(rows, width)] = captured = _DecodeGraph(graph, logits)
-        logger.debug("captured a decode graph for %d rows x %d positions", rows, width)
-        return captured
-
-    def _sample(self, logits: torch.Tensor, rows: list[_Request]) -> tuple[torch.Tensor, ...]:
+    def _sample(self, logits: torch.Tensor, rows: list[Request]) -> tuple[torch.Tensor, ...]:
         """Sample one token per row; return it and its log-prob under log_softmax(logits / T)."""
         n = len(rows)
         logp = torch.log_softmax(logits.float() / self._temp[:n, None], dim=-1)
@@ -927,15 +629,3 @@ class HFEngine:
             for h, m in zip(holes, movers, strict=True):
                 rows[h] = rows[m]
         del rows[keep:]
-
-
-def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files under {str(path)!r}")
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)

@@ -1,0 +1,38 @@
+"""The embedded ``hf`` inference engine: a transformers causal LM with continuous batching.
+
+One background thread (owned by the engine, started on the first request, ended by `close()`)
+runs the decode loop over every active request. New requests join between decode steps: their
+prompts (all but the last token) are prefilled straight into free rows of a slot KV cache, and
+the last prompt token is fed by the next decode step, which therefore also samples their first
+output token. Each cache row holds one request at its own length; a per-row additive attention
+mask and per-row position ids keep requests of different lengths apart in one batch. Results
+reach the caller's event loop with ``loop.call_soon_threadsafe``; the loop is never blocked.
+
+Log-probs: each returned log-prob is ``log_softmax(logits / T)`` of the sampled token, taken
+after temperature and *before* top-p/top-k truncation, which is what the trainer recomputes.
+Greedy requests use ``T = temperature`` if it is positive, else 1.
+
+On CUDA the decode step is replayed from CUDA graphs, one per (batch bucket, KV-length bucket),
+since per-step host overhead, not the GPU, bounds an eager decode step. Prefill stays eager, so
+newcomers are admitted at most every ``prefill_interval`` decode steps while others run.
+"""
+
+from arl.engines.hf.engine import HFEngine
+from arl.engines.hf.errors import (
+    EngineClosedError,
+    EngineNotPausedError,
+    EngineStepError,
+    HFEngineError,
+    UnknownWeightError,
+)
+from arl.engines.hf.weights import checksum_named_tensors
+
+__all__ = [
+    "EngineClosedError",
+    "EngineNotPausedError",
+    "EngineStepError",
+    "HFEngine",
+    "HFEngineError",
+    "UnknownWeightError",
+    "checksum_named_tensors",
+]
