@@ -225,6 +225,8 @@ class PPOTrainer:
                 longest = cfg.data.max_prompt_len + cfg.gconfig.max_new_tokens + 1
                 options = {"max_batch_size": max(1, min(512, per_engine))}
                 options["max_seq_len"] = max(2048, longest)
+                # Decode graphs for every batch size up to that length are captured at start.
+                options["warm_up_len"] = longest
             w = await p.handle.create(
                 "arl.node.rollout:RolloutWorker",
                 name="rollout",

@@ -112,3 +112,23 @@ def test_64_greedy_requests_match_argmax_cuda(tmp_path: Path) -> None:
         results = asyncio.run(staggered(engine, prompts, sp))
     for prompt, res in zip(prompts, results, strict=True):
         assert res.output_ids == teacher_forced(model, prompt, res.output_ids, 1.0)[1]
+
+
+def test_warm_up_captures_graphs_and_decodes_the_same_cuda(tmp_path: Path) -> None:
+    """``warm_up_len``: every graph up to that length exists before the first request, the
+    first generations capture none, and they decode what the teacher-forced pass says."""
+    vocab = 4096
+    path = save_model(tmp_path / "m", vocab_size=vocab, **MEDIUM)
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    prompts = random_prompts(96, vocab, seed=5)  # 96 rows run in the 128-row graph
+    sp = SamplingParams(max_new_tokens=40, greedy=True)
+    kw = dict(device="cuda", dtype="float32", max_batch_size=200, warm_up_len=120)
+    with HFEngine(path, **kw) as engine:
+        before = asyncio.run(engine.health())
+        # rows 1..64 (7 buckets), 128, 192 and 200 (the cap); widths 64 and 128
+        assert before["decode_graphs"] == 10 * 2 and before["warm_up_s"] > 0
+        results = asyncio.run(staggered(engine, prompts, sp))
+        after = asyncio.run(engine.health())
+    assert after["decode_graphs"] == before["decode_graphs"] and after["last_error"] is None
+    for prompt, res in zip(prompts, results, strict=True):
+        assert res.output_ids == teacher_forced(model, prompt, res.output_ids, 1.0)[1]

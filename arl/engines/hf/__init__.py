@@ -14,7 +14,9 @@ Greedy requests use ``T = temperature`` if it is positive, else 1.
 
 On CUDA the decode step is replayed from CUDA graphs, one per (batch bucket, KV-length bucket),
 since per-step host overhead, not the GPU, bounds an eager decode step. Prefill stays eager, so
-newcomers are admitted at most every ``prefill_interval`` decode steps while others run.
+newcomers are admitted at most every ``prefill_interval`` decode steps while others run. With
+``warm_up_len`` (the trainer passes prompt + new tokens) every graph up to that length is
+captured when the engine is built, as a server does before it serves.
 """
 
 from arl.engines.hf.engine import HFEngine

@@ -24,7 +24,7 @@ from arl.engines.hf.errors import (
     HFEngineError,
     UnknownWeightError,
 )
-from arl.engines.hf.graphs import DecodeGraphs, bucket
+from arl.engines.hf.graphs import DecodeGraphs, buckets, row_bucket, width_bucket
 from arl.engines.hf.kv_cache import SlotKVCache
 from arl.engines.hf.request import Request, deliver, on_future_done, settle
 from arl.engines.hf.weights import checksum_named_tensors, iter_safetensors
@@ -76,6 +76,7 @@ class HFEngine:
         prefill_interval: int | None = None,
         compile_blocks: bool | None = None,
         grouped_attention: bool = True,
+        warm_up_len: int = 0,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -84,6 +85,8 @@ class HFEngine:
                 f"need max_batch_size >= 1, max_seq_len >= 2, max_prefill_tokens >= 1; got "
                 f"{max_batch_size}, {max_seq_len}, {max_prefill_tokens}"
             )
+        if warm_up_len < 0:
+            raise ValueError(f"warm_up_len must be >= 0, got {warm_up_len}")
         if prefill_interval is not None and prefill_interval < 1:
             raise ValueError(f"prefill_interval must be >= 1, got {prefill_interval}")
         if not Path(model_path).is_dir():
@@ -169,6 +172,9 @@ class HFEngine:
         self._prefill_tokens = 0
         self._last_admit_step = 0
         self._graphs = DecodeGraphs(self.device)
+        self.warm_up_s = 0.0
+        if warm_up_len and self.cuda_graphs:
+            self._warm_up(min(warm_up_len, max_seq_len))
 
     # ----------------------------------------------------------------- public API
 
@@ -226,6 +232,8 @@ class HFEngine:
                 "steps": self._steps,
                 "cuda_graphs": self.cuda_graphs,
                 "compiled_blocks": self.compiled_blocks,
+                "decode_graphs": len(self._graphs),
+                "warm_up_s": self.warm_up_s,
                 "generated_tokens": self._generated_tokens,
                 "busy_s": self._busy_s,
                 "prefills": self._prefills,
@@ -369,6 +377,30 @@ class HFEngine:
         self._pause_waiters.clear()
 
     # ----------------------------------------------------------------- decode thread
+
+    def _warm_up(self, length: int) -> None:
+        """Capture the decode graph of every row bucket for every KV width up to ``length``
+        (the blocks compile on the way), as a server does before it serves: the first
+        generations then replay graphs instead of capturing them, and the cache holds its
+        size from the start instead of growing (which makes every captured graph stale)."""
+        t0 = time.perf_counter()
+        widths = buckets(width_bucket(length, self.max_seq_len), width_bucket)
+        self._cache.reserve(self.max_batch_size, widths[-1])
+        with self._model_lock, torch.no_grad(), torch.cuda.device(self.device):
+            for width in widths:
+                for rows in buckets(self.max_batch_size, row_bucket):
+                    # Free rows: the garbage these passes write is overwritten by a prefill.
+                    self._pos[:rows] = 0
+                    self._graphs.get(rows, width, self._cache, self._forward_decode)
+            torch.cuda.synchronize(self.device)
+        self.warm_up_s = time.perf_counter() - t0
+        logger.info(
+            "hf engine: %d decode graphs (rows up to %d, KV widths up to %d) in %.1f s",
+            len(self._graphs),
+            self.max_batch_size,
+            widths[-1],
+            self.warm_up_s,
+        )
 
     def _run(self) -> None:
         try:
@@ -571,8 +603,8 @@ class HFEngine:
 
     def _graph_logits(self, n: int, kv_len: int) -> torch.Tensor:
         """Replay (capturing on first use) the graph of the bucket holding ``n`` rows."""
-        rows = bucket(n, 1, self.max_batch_size)
-        width = bucket(kv_len, 64, self.max_seq_len)
+        rows = row_bucket(n, self.max_batch_size)
+        width = width_bucket(kv_len, self.max_seq_len)
         self._cache.reserve(rows, width)
         if rows > n:
             # Padding rows compute garbage into free cache rows; keep their writes in bounds.

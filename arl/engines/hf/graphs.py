@@ -19,15 +19,47 @@ from arl.engines.hf.kv_cache import SlotKVCache
 logger = logging.getLogger(__name__)
 
 
-def bucket(n: int, floor: int, cap: int) -> int:
-    """The power of two >= max(n, floor), at most ``cap`` (n <= cap)."""
-    return min(cap, max(floor, 1 << (n - 1).bit_length()))
+def bucket(n: int, floor: int, cap: int, step: int | None = None) -> int:
+    """The power of two >= max(n, floor), at most ``cap`` (n <= cap); above ``step`` (a power
+    of two) the next multiple of ``step`` instead, so a large batch pads by less than ``step``
+    rather than up to twice its size."""
+    n = max(n, floor)
+    if step is not None and n > step:
+        return min(cap, -(-n // step) * step)
+    return min(cap, 1 << (n - 1).bit_length())
+
+
+# Rows: powers of two up to 64, then multiples of 64 (293 rows run as 320, not 512).
+ROW_STEP = 64
+# KV positions: powers of two from 64 up to 512, then multiples of 256. A decode step reads the
+# whole KV width of every row, so the width's padding costs bandwidth in proportion.
+WIDTH_FLOOR, WIDTH_STEP = 64, 256
+
+
+def row_bucket(n: int, cap: int) -> int:
+    """The rows a decode graph runs for ``n`` active rows."""
+    return bucket(n, 1, cap, ROW_STEP)
+
+
+def width_bucket(n: int, cap: int) -> int:
+    """The KV positions a decode graph attends to for a longest row of ``n``."""
+    return bucket(n, WIDTH_FLOOR, cap, WIDTH_STEP)
+
+
+def buckets(cap: int, bucket_of: Callable[[int, int], int]) -> list[int]:
+    """Every distinct bucket ``bucket_of`` gives for 1..cap, ascending."""
+    out, n = [], 1
+    while n <= cap:
+        b = bucket_of(n, cap)
+        out.append(b)
+        n = b + 1
+    return out
 
 
 @attrs.define
 class DecodeGraph:
     graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # [rows, vocab], written by each replay
+    logits: torch.Tensor  # [rows, vocab], a view of the shared output, written by each replay
 
 
 class DecodeGraphs:
@@ -38,6 +70,12 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], DecodeGraph] = {}
         self._generation = -1
         self._pool: Any = None
+        # Every graph copies its logits into this one buffer, so a graph's own output is a
+        # temporary of the shared pool: many graphs cost one [rows, vocab] output, not one each.
+        self._out: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self._graphs)
 
     def get(
         self,
@@ -56,6 +94,7 @@ class DecodeGraphs:
         """Drop every graph and the memory pool they share."""
         self._graphs.clear()
         self._pool = None
+        self._out = None
 
     def _capture(
         self,
@@ -70,8 +109,15 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                forward(rows, width)
+                eager = forward(rows, width)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._out is None or self._out.shape[0] < rows or self._out.dtype != eager.dtype:
+            # Outside the pool: graphs captured before a larger buffer keep reading the old one.
+            self._graphs.clear()
+            self._pool = None
+            cap = max(rows, cache.max_rows)
+            self._out = torch.empty((cap, eager.shape[-1]), dtype=eager.dtype, device=self.device)
+        del eager
         if self._generation != cache.generation:
             # Destroying the graphs releases their memory pool; its handle cannot be reused.
             self._graphs.clear()
@@ -80,8 +126,9 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+        out = self._out[:rows]
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits = forward(rows, width)
-        self._graphs[(rows, width)] = captured = DecodeGraph(graph, logits)
+            out.copy_(forward(rows, width))
+        self._graphs[(rows, width)] = captured = DecodeGraph(graph, out)
         logger.debug("captured a decode graph for %d rows x %d positions", rows, width)
         return captured

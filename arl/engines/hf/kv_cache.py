@@ -29,6 +29,11 @@ class SlotKVCache:
         self._kv_len = 0
         self.generation = 0  # bumped when buffers are reallocated (captured graphs go stale)
 
+    @property
+    def max_rows(self) -> int:
+        """The most rows the cache may ever hold."""
+        return self._max_rows
+
     def reserve(self, rows: int, seq: int) -> None:
         """Make room for ``rows`` rows of ``seq`` positions (buffers grow by doubling)."""
         if rows > self._rows_cap:
