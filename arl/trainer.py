@@ -1,4 +1,4 @@
-"""The PPO/GRPO loop (DESIGN §4). `run(cfg)` is what ``python -m arl.launch RECIPE`` runs.
+"""The PPO/GRPO loop (DESIGN §4), on a started cluster; `arl.run.run` starts one and runs it.
 
 Rollout runs all the time in the background (`RolloutController`); each training step:
 
@@ -23,10 +23,9 @@ import attrs
 
 from arl.ckpt.recovery import RecoveryState, Saver
 from arl.config import Config
-from arl.control.cluster import Cluster, start_cluster
+from arl.control.cluster import Cluster
 from arl.control.controller import RemoteObject
 from arl.control.dispatch import dispatch
-from arl.control.placement import plan_placement
 from arl.control.rollout import RolloutController
 from arl.control.rtensor import RTensor, ShardRef
 from arl.control.staleness import StalenessSemaphore
@@ -44,28 +43,6 @@ PROBE_MESSAGES = [
     {"role": "user", "content": "What is 12 * 7? Put the answer in \\boxed{}."},
     {"role": "assistant", "content": "12 * 7 = 84, so the answer is \\boxed{84}."},
 ]
-
-
-async def run(
-    cfg: Config, run_id: str | None = None, data: tuple[list[dict], list[dict]] | None = None
-) -> None:
-    """Run the whole experiment described by ``cfg`` (metrics rows carry ``run_id``); ``data``
-    is `load_data`'s (train, eval) rows when the caller already loaded them."""
-    from arl.launch import detect_gpus
-
-    t0 = time.monotonic()
-    plan = plan_placement(cfg, detect_gpus(cfg))
-    # The data first: a missing or unreachable dataset fails before any process starts.
-    if data is None:
-        data = await asyncio.get_running_loop().run_in_executor(None, load_data, cfg)
-    async with start_cluster(cfg, plan) as cluster:
-        trainer = PPOTrainer(cfg, cluster, run_id=run_id)
-        try:
-            await trainer.setup(data)
-            await trainer.train()
-        finally:
-            await trainer.close()
-    print(trainer.summary(time.monotonic() - t0), flush=True)  # after the nodes' exit logs
 
 
 def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:

@@ -453,8 +453,8 @@ def _train_variant(
 # ---- weight sync ----------------------------------------------------------------------------
 def run_sync(args: argparse.Namespace, path: str, floors: dict) -> list[dict]:
     from arl.config import Config, apply_overrides
+    from arl.run import run
     from arl.stats.logger import read_jsonl
-    from arl.trainer import run
 
     out = []
     print("\n## weight sync: engine and trainer on one GPU, real arl nodes, 3 steps each")

@@ -39,6 +39,7 @@ from typing import Any
 
 import zmq
 
+from arl.event_loop import run_loop
 from arl.protocol.imports import ImportRefused as ImportRefused  # re-exported for callers
 from arl.protocol.imports import resolve_import
 from arl.protocol.stall import stall_report, watchdog_identity
@@ -487,13 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         data_host=data_host,
         max_message_bytes=a.max_message_bytes,
     )
-    try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:
-        runner = asyncio.run
-    reason = runner(node.run())
+    reason = run_loop(node.run())
     log.info("node %s exited: %s", node.node_id, reason)
     logging.shutdown()
     # Sockets, shards and hosted objects are closed by now. The engine thread may still be
