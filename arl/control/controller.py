@@ -158,7 +158,6 @@ class Controller:
         self._pending: dict[int, tuple[asyncio.Future, str, str]] = {}
         self._ids = itertools.count(1)
         self._node_joined = asyncio.Condition()
-        self._event_handlers: dict[str, list[Callable[[str, Any], Any]]] = {}
         self._lost_handlers: list[Callable[[str, str], Any]] = []
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
@@ -237,10 +236,6 @@ class Controller:
     def live_nodes(self) -> list[NodeHandle]:
         """Nodes that said hello and are not lost, in arrival order."""
         return [n for n in self.nodes.values() if not n.lost]
-
-    def on_event(self, name: str, handler: Callable[[str, Any], Any]) -> None:
-        """Call ``handler(node_id, data)`` for each event ``name`` a node pushes."""
-        self._event_handlers.setdefault(name, []).append(handler)
 
     def on_node_lost(self, handler: Callable[[str, str], Any]) -> None:
         """Call ``handler(node_id, reason)`` when a node is declared lost."""
@@ -358,11 +353,6 @@ class Controller:
             node.blocked_in = ""  # its loop runs again
             if isinstance(msg.args, dict):
                 node.stats = msg.args
-        elif msg.op == "event":
-            for handler in self._event_handlers.get(msg.method, []):
-                res = handler(node.node_id, msg.args)
-                if asyncio.iscoroutine(res):
-                    await res
         elif msg.op == "bye":
             self._declare_lost(node, f"node exited ({msg.args})")
         else:

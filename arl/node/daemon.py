@@ -237,10 +237,6 @@ class NodeDaemon:
     async def _send(self, msg: Message) -> None:
         await self.sock.send_multipart(encode_message(msg), copy=False)
 
-    async def emit(self, event: str, data: Any) -> None:
-        """Push an event to the controller without being asked."""
-        await self._send(Message("event", 0, event, data))
-
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_interval)

@@ -65,13 +65,6 @@ def read_secret_file(path: str | os.PathLike) -> str:
     return text
 
 
-def write_secret_file(path: str | os.PathLike, secret: str) -> None:
-    """Write ``secret`` to ``path`` with mode 0600 (created that way, never world-readable)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secret)
-
-
 def _curve_pair(secret: str, role: bytes) -> tuple[bytes, bytes]:
     seed = hashlib.sha256(b"arl-curve-" + role + b"\0" + secret.encode()).digest()
     secret_key = z85.encode(seed)
