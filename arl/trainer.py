@@ -35,6 +35,7 @@ from arl.protocol.imports import resolve_import
 from arl.stats.logger import StatsLogger
 from arl.stats.trace import Tracer
 from arl.weights import SyncContext, WeightSync, WeightSyncError, make_weight_sync
+from arl.weights.base import rendezvous_host
 
 log = logging.getLogger("arl.trainer")
 
@@ -225,7 +226,7 @@ class PPOTrainer:
     async def _start_train_workers(self, model_path: str) -> None:
         cfg = self.cfg
         rank0 = self.cluster.train[0].handle
-        host = "127.0.0.1" if "127.0.0.1" in self.cluster.controller.address else rank0.info["host"]
+        host = rendezvous_host(self.cluster)
         port = await rank0.call("free_port", {"host": host})
         actor = attrs.asdict(cfg.actor)
         actor["path"] = model_path

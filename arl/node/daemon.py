@@ -43,6 +43,7 @@ from arl.event_loop import run_loop
 from arl.protocol.imports import ImportRefused as ImportRefused  # re-exported for callers
 from arl.protocol.imports import resolve_import
 from arl.protocol.stall import stall_report, watchdog_identity
+from arl.wire.addresses import free_port, is_loopback
 from arl.wire.codec import (
     Message,
     WireError,
@@ -370,9 +371,7 @@ class NodeDaemon:
             # Owners drop their shards and consumers their pulled copies: one fan-out frees all.
             return self.store.free(a["keys"]) if self.store is not None else 0
         if method == "free_port":
-            with socket.socket() as s:
-                s.bind((a.get("host", self.data_host), 0))
-                return s.getsockname()[1]
+            return free_port(a.get("host", self.data_host))
         if method == "destroy":
             obj = self.objects.pop(a["name"], None)
             if obj is not None:
@@ -472,8 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     security = Security.from_env(a.secret_file, curve=a.curve)
     os.environ.pop("ARL_SECRET", None)  # engines and their subprocesses do not need it
-    loopback = "127.0.0.1" in a.controller or "localhost" in a.controller
-    data_host = a.data_host or ("127.0.0.1" if loopback else socket.gethostname())
+    data_host = a.data_host or ("127.0.0.1" if is_loopback(a.controller) else socket.gethostname())
     node = NodeDaemon(
         a.controller,
         security,

@@ -34,6 +34,9 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
+from arl.wire.addresses import host_id as host_id  # re-exported: callers import it from here
+from arl.wire.addresses import routable_host as routable_host
+
 SECRET_ENV = "ARL_SECRET"
 _PLAIN_USER = "arl"
 _ZAP_DOMAIN = "arl"
@@ -351,25 +354,6 @@ def bind_tcp(s: zmq.Socket | LoopSocket, host: str, port: int = 0) -> str:
         return f"tcp://{host}:{port}"
     bound = s.bind_to_random_port(f"tcp://{host}")
     return f"tcp://{host}:{bound}"
-
-
-def routable_host() -> str:
-    """This machine's name as other hosts would reach it (falls back to loopback)."""
-    name = pysocket.gethostname()
-    try:
-        pysocket.getaddrinfo(name, None)
-        return name
-    except OSError:
-        return "127.0.0.1"
-
-
-def host_id() -> str:
-    """Identifies this host (boot): two processes with equal ids can share memory."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot = ""
-    return f"{pysocket.gethostname()}/{boot}"
 
 
 # ---- driving a socket from the event loop --------------------------------------------------------
