@@ -196,7 +196,7 @@ class PPOTrainer:
             options = {}
             if not spec.is_server:
                 # Room for every sequence the staleness semaphore lets run at once, split over
-                # the engines (the default of 64 rows serialised gsm8k's 512 concurrent samples).
+                # the engines (its default 64 rows would serialise gsm8k's 512 concurrent samples).
                 per_engine = -(-cfg.max_concurrent_rollouts * cfg.gconfig.n_samples // n_engines)
                 # The cache grows on demand up to max_seq_len; agent turns can outgrow prompt +
                 # new tokens.

@@ -319,7 +319,7 @@ class Controller:
         if node is None and msg.op == "event" and msg.method == "loop_stalled":
             self._on_stall_report(identity, msg.args)
             return
-        if node is None:  # counted in dropped by _recv_loop (it was counted twice)
+        if node is None:  # _recv_loop counts it in dropped (once: not here as well)
             raise WireError(f"{msg.op!r} from a peer that has not said hello")
         node.last_seen = time.monotonic()
         if msg.op in ("ok", "err"):
@@ -359,7 +359,7 @@ class Controller:
             raise WireError(f"controller does not accept op {msg.op!r}")
 
     async def _on_hello(self, identity: bytes, msg: Message) -> None:
-        # A malformed hello must not register a node (found by the wire fuzz tests).
+        # A malformed hello must not register a node (tests/integration/test_wire_fuzz.py).
         if not isinstance(msg.args, dict) or not isinstance(msg.args.get("node_id", ""), str):
             raise WireError("hello must carry a map whose node_id is a string")
         known = self._by_identity.get(identity)

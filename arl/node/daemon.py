@@ -347,8 +347,8 @@ class NodeDaemon:
             reply = Message("ok", msg.id, msg.method, result)
         except (asyncio.CancelledError, KeyboardInterrupt, SystemExit, GeneratorExit):
             raise
-        except BaseException as e:  # also torch's CheckpointException, a BaseException: an
-            # unanswered call would leave the caller waiting forever (found by a full disk)
+        except BaseException as e:  # also torch's CheckpointException (a BaseException, raised
+            # on a full disk): an unanswered call would leave the caller waiting forever
             reply = Message("err", msg.id, msg.method, error_payload(e))
         try:
             await self._send(reply)

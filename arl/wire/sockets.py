@@ -9,8 +9,8 @@ encrypted and the client also verifies the server. `Authenticator.watch` logs ea
 
 `LoopSocket` drives a plain ``zmq.Socket`` from the running asyncio loop (plain or uvloop): it
 reads and writes with ``NOBLOCK`` directly and waits on the socket's FD only when an operation
-would block. It replaced ``zmq.asyncio``, which re-registered readers and spent extra loop rounds
-per message; ``python -m arl.bench transport`` measures both beside plain sync pyzmq.
+would block, where ``zmq.asyncio`` re-registers readers and spends extra loop rounds per message;
+``python -m arl.bench transport`` measures both beside plain sync pyzmq.
 """
 
 from __future__ import annotations
@@ -290,9 +290,9 @@ class _RefusalWatcher(threading.Thread):
 
 class _CurveAllow:
     def __init__(self, public: bytes):
-        # pyzmq hands the callback the client key z85-encoded (it used to compare the raw key,
-        # so every CURVE client was refused; found by tests/integration/test_auth.py). The raw
-        # form is accepted as well, for pyzmq versions that pass raw keys.
+        # pyzmq hands the callback the client key z85-encoded, so comparing only the raw key
+        # would refuse every CURVE client (tests/integration/test_auth.py). The raw form is
+        # accepted as well, for pyzmq versions that pass raw keys.
         self.allowed = {public, z85.decode(public)}
 
     def callback(self, domain: str, key: bytes) -> bool:
