@@ -47,3 +47,15 @@ def test_importing_the_run_and_the_supervisor_leaves_the_cli_unimported():
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "False"
+
+
+def test_agent_never_imports_workflows():
+    """`arl.workflows` builds on `arl.agent` (the agent workflow drives its client), not back."""
+    offenders = [
+        str(path.relative_to(REPO))
+        for path in sorted((REPO / "arl" / "agent").rglob("*.py"))
+        if any(
+            m == "arl.workflows" or m.startswith("arl.workflows.") for m in _imported_modules(path)
+        )
+    ]
+    assert offenders == [], f"these agent modules import arl.workflows: {offenders}"
