@@ -1,7 +1,7 @@
 """How an arl process runs its asyncio program: on uvloop when it is installed, else asyncio.
 
 uvloop is a dependency, but a machine whose wheels were copied by hand may lack it; the run is
-the same on either loop (sockets are driven through `arl.wire.sockets.LoopSocket`).
+the same on either loop (sockets are driven through `arl.wire.loop_socket.LoopSocket`).
 """
 
 import asyncio
