@@ -5,23 +5,21 @@ A recipe is a Python file defining ``make_config() -> Config`` and, optionally,
 config is validated and placed, the model and data are checked (`arl.preflight`) and the run
 directory is claimed (`arl.run_dir`: one run at a time, never mixed into a finished run,
 writable) before any process starts; the resolved config is saved as ``config.yaml`` in the run
-directory, and the training loop runs. A user error ends as one ``error: ...`` line and exit
+directory, and the run (`arl.run`) goes on under the restart supervisor (`arl.supervisor`), on
+the plan placed here. A user error ends as one ``error: ...`` line and exit
 status 2; SIGTERM stops the run as Ctrl-C does (exit 143, 130).
 """
 
-import asyncio
-import importlib.util
 import logging
 import signal
 import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from arl.config import Config, ConfigError, apply_overrides, help_text, save_resolved, to_yaml
-from arl.control.placement import NodeSpec, format_plan, plan_placement
+from arl.control.placement import NodeSpec, detect_gpus, format_plan, plan_placement
 from arl.data.gsm8k import DatasetError
 from arl.engines.spec import describe, engine_spec
+from arl.recipe import import_recipe, load_recipe
 
 USAGE = """\
 usage: python -m arl.launch RECIPE [key=value ...] [--dry-run] [--help]
@@ -33,33 +31,6 @@ usage: python -m arl.launch RECIPE [key=value ...] [--dry-run] [--help]
   --dry-run   print the resolved config and the placement plan, then exit
   --help      print this text and every config field (with RECIPE: the recipe's values)
 """
-
-
-def import_recipe(path: str) -> ModuleType:
-    """Import the recipe file at ``path`` as a module (it must define ``make_config``)."""
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(
-            f"recipe {path!r} not found (expected a Python file such as recipes/gsm8k.py)"
-        )
-    spec = importlib.util.spec_from_file_location(f"arl_recipe_{file.stem}", file)
-    if spec is None or spec.loader is None:
-        raise ConfigError(f"recipe {path!r} cannot be imported; is it a .py file?")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not callable(getattr(module, "make_config", None)):
-        raise ConfigError(f"recipe {path!r} defines no make_config() function returning a Config")
-    return module
-
-
-def load_recipe(path: str, recipe: ModuleType | None = None) -> Config:
-    """The ``make_config()`` of the recipe file at ``path`` (imported unless given)."""
-    cfg = (recipe or import_recipe(path)).make_config()
-    if not isinstance(cfg, Config):
-        raise ConfigError(
-            f"recipe {path!r}: make_config() returned {type(cfg).__name__}, not arl.config.Config"
-        )
-    return cfg
 
 
 def configure(path: str, overrides: list[str]) -> tuple[Config, list[NodeSpec], int]:
@@ -82,82 +53,6 @@ def configure(path: str, overrides: list[str]) -> tuple[Config, list[NodeSpec], 
         n_gpus = detect_gpus(cfg)
         plan = plan_placement(cfg, n_gpus)
     return cfg, plan, n_gpus
-
-
-def detect_gpus(cfg: Config) -> int:
-    """GPUs to place nodes on: cluster.n_gpus, or what torch sees."""
-    if cfg.cluster.n_gpus is not None:
-        return cfg.cluster.n_gpus
-    import torch  # imported only here: it is slow to import and --help should not wait for it
-
-    return torch.cuda.device_count()
-
-
-def _run(cfg: Config, run_id: str | None = None, data: tuple | None = None) -> int:
-    """Run the experiment; with ``recover.mode=auto`` restart it from the last recovery
-    checkpoint after a recoverable failure, at most ``recover.retries`` times (in the same run
-    directory, under the same lock and run id)."""
-    from arl.ckpt.recovery import CheckpointError
-    from arl.control.controller import NodeLost, RemoteError
-    from arl.control.rollout import RolloutFailed
-    from arl.trainer import CallTimeout, run
-
-    try:
-        import uvloop
-    except ModuleNotFoundError:
-        runner = asyncio.run
-    else:
-        runner = uvloop.run
-    restarts = 0
-    while True:
-        try:
-            runner(run(cfg, run_id, data))
-            return 0
-        except (NodeLost, RolloutFailed, CallTimeout, RemoteError, CheckpointError) as e:
-            # The cluster is down by now (every process of the attempt was ended).
-            print(f"error: the run stopped: {e}", file=sys.stderr)
-            if cfg.recover.mode != "auto":
-                return 1
-            if not recoverable(e):
-                print(
-                    "recovery: not restarting (this error would happen again); once it is "
-                    "fixed, run the same command to resume from the last checkpoint",
-                    file=sys.stderr,
-                )
-                return 1
-            if restarts >= cfg.recover.retries:
-                print(
-                    f"error: giving up after {restarts} restart(s) (recover.retries="
-                    f"{cfg.recover.retries})",
-                    file=sys.stderr,
-                )
-                return 1
-            restarts += 1
-            print(
-                f"recovery: restarting the run from its last checkpoint (restart {restarts} of "
-                f"at most {cfg.recover.retries})",
-                file=sys.stderr,
-            )
-
-
-def recoverable(exc: BaseException) -> bool:
-    """Whether a fresh cluster may get past ``exc``: a node that died, stopped answering, or
-    hung in a call is worth a restart; an exception raised by code (a bug, bad data, a full
-    disk), or a node whose event loop code blocked (its watchdog named it), would only happen
-    again."""
-    from arl.control.controller import NodeLost
-    from arl.trainer import CallTimeout
-
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, NodeLost) and seen.blocked_in:  # code blocked its event loop
-            return False
-        if isinstance(seen, NodeLost | CallTimeout):
-            return True
-        if getattr(seen, "type_name", "") == "ServerExited":  # a node's inference server died
-            return True
-        seen = seen.__cause__
-    return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     from arl.engines.model import ModelResolutionError
     from arl.preflight import InputError, check_data, check_model
     from arl.run_dir import RunDirError, claim_run_dir, keep_previous
+    from arl.supervisor import supervise
 
     stop = _SigtermAsInterrupt()
     claim = None
@@ -225,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("the config differs from the earlier run's; that one is kept as %s", kept)
         saved = save_resolved(cfg, cfg.run_path / "config.yaml")
         log.info("resolved config saved to %s (run id %s)", saved, claim.run_id)
-        return _run(cfg, claim.run_id, data)
+        return supervise(cfg, plan, claim.run_id, data)
     except (ConfigError, DatasetError, RunDirError, InputError, ModelResolutionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""The PPO/GRPO loop (DESIGN §4). `run(cfg)` is what ``python -m arl.launch RECIPE`` runs.
+"""The PPO/GRPO loop (DESIGN §4), on a started cluster; `arl.run.run` starts one and runs it.
 
 Rollout runs all the time in the background (`RolloutController`); each training step:
 
@@ -23,10 +23,9 @@ import attrs
 
 from arl.ckpt.recovery import RecoveryState, Saver
 from arl.config import Config
-from arl.control.cluster import Cluster, start_cluster
+from arl.control.cluster import Cluster
 from arl.control.controller import RemoteObject
 from arl.control.dispatch import dispatch
-from arl.control.placement import plan_placement
 from arl.control.rollout import RolloutController
 from arl.control.rtensor import RTensor, ShardRef
 from arl.control.staleness import StalenessSemaphore
@@ -36,6 +35,7 @@ from arl.protocol.imports import resolve_import
 from arl.stats.logger import StatsLogger
 from arl.stats.trace import Tracer
 from arl.weights import SyncContext, WeightSync, WeightSyncError, make_weight_sync
+from arl.weights.base import rendezvous_host
 
 log = logging.getLogger("arl.trainer")
 
@@ -44,28 +44,6 @@ PROBE_MESSAGES = [
     {"role": "user", "content": "What is 12 * 7? Put the answer in \\boxed{}."},
     {"role": "assistant", "content": "12 * 7 = 84, so the answer is \\boxed{84}."},
 ]
-
-
-async def run(
-    cfg: Config, run_id: str | None = None, data: tuple[list[dict], list[dict]] | None = None
-) -> None:
-    """Run the whole experiment described by ``cfg`` (metrics rows carry ``run_id``); ``data``
-    is `load_data`'s (train, eval) rows when the caller already loaded them."""
-    from arl.launch import detect_gpus
-
-    t0 = time.monotonic()
-    plan = plan_placement(cfg, detect_gpus(cfg))
-    # The data first: a missing or unreachable dataset fails before any process starts.
-    if data is None:
-        data = await asyncio.get_running_loop().run_in_executor(None, load_data, cfg)
-    async with start_cluster(cfg, plan) as cluster:
-        trainer = PPOTrainer(cfg, cluster, run_id=run_id)
-        try:
-            await trainer.setup(data)
-            await trainer.train()
-        finally:
-            await trainer.close()
-    print(trainer.summary(time.monotonic() - t0), flush=True)  # after the nodes' exit logs
 
 
 def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
@@ -218,7 +196,7 @@ class PPOTrainer:
             options = {}
             if not spec.is_server:
                 # Room for every sequence the staleness semaphore lets run at once, split over
-                # the engines (the default of 64 rows serialised gsm8k's 512 concurrent samples).
+                # the engines (its default 64 rows would serialise gsm8k's 512 concurrent samples).
                 per_engine = -(-cfg.max_concurrent_rollouts * cfg.gconfig.n_samples // n_engines)
                 # The cache grows on demand up to max_seq_len; agent turns can outgrow prompt +
                 # new tokens.
@@ -250,7 +228,7 @@ class PPOTrainer:
     async def _start_train_workers(self, model_path: str) -> None:
         cfg = self.cfg
         rank0 = self.cluster.train[0].handle
-        host = "127.0.0.1" if "127.0.0.1" in self.cluster.controller.address else rank0.info["host"]
+        host = rendezvous_host(self.cluster)
         port = await rank0.call("free_port", {"host": host})
         actor = attrs.asdict(cfg.actor)
         actor["path"] = model_path

@@ -14,7 +14,7 @@ gives the model a calculator tool (multi-turn; its conversations need a longer p
 from pathlib import Path
 
 from arl.config import Config
-from arl.launch import import_recipe
+from arl.recipe import import_recipe
 
 GSM8K = import_recipe(str(Path(__file__).with_name("gsm8k.py")))
 cpu_preset = GSM8K.cpu_preset  # the same small run when the plan has no GPU

@@ -9,6 +9,7 @@ format, `arl.agent.trajectory` the recorded completions -> trajectory rows, and
 `arl.workflows.agent` runs such code as the rollout workflow.
 """
 
+from arl.agent.chat_format import PromptTooLong
 from arl.agent.client import ChatClient, ChatCompletion, CompletionRecord
 
-__all__ = ["ChatClient", "ChatCompletion", "CompletionRecord"]
+__all__ = ["ChatClient", "ChatCompletion", "CompletionRecord", "PromptTooLong"]

@@ -35,6 +35,10 @@ class MessageError(ValueError):
     """A chat message (or tool definition) the client cannot use; the message says which."""
 
 
+class PromptTooLong(ValueError):
+    """A prompt longer than ``max_prompt_len`` (``data.max_prompt_len``) that may not be cut."""
+
+
 @attrs.define
 class Function:
     """The function of a tool call: its name and its arguments as a JSON string."""

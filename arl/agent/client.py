@@ -28,13 +28,13 @@ import attrs
 from arl.agent.chat_format import (
     ChatFormat,
     MessageError,
+    PromptTooLong,
     ToolCall,
     check_tools,
     normalize_message,
     same_turn,
 )
 from arl.engines.base import Engine, SamplingParams, generate_to_completion
-from arl.workflows.rlvr import PromptTooLong
 
 # Arguments of OpenAI's create() that change nothing here and are accepted silently.
 _IGNORED = frozenset(

@@ -25,9 +25,8 @@ from contextlib import asynccontextmanager
 import attrs
 from aiohttp import web
 
-from arl.agent.chat_format import MessageError
+from arl.agent.chat_format import MessageError, PromptTooLong
 from arl.agent.client import ChatClient
-from arl.workflows.rlvr import PromptTooLong
 
 
 @attrs.frozen

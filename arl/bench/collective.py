@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -24,11 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from arl.wire.addresses import free_port
 
 
 def _worker(rank: int, world: int, port: int, backend: str, sizes: list[int], reps: int, q) -> None:
@@ -77,7 +72,7 @@ def measure(world: int, backend: str, sizes: list[int], reps: int) -> list[tuple
     q = ctx.Queue()
     procs = mp.start_processes(
         _worker,
-        args=(world, _free_port(), backend, sizes, reps, q),
+        args=(world, free_port(), backend, sizes, reps, q),
         nprocs=world,
         join=False,
         start_method="spawn",

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from arl.bench.sim import format_hist, gen_during_train
 from arl.config import Config, ConfigError, apply_overrides
-from arl.launch import detect_gpus, load_recipe
+from arl.control.placement import detect_gpus
+from arl.recipe import load_recipe
 from arl.stats.logger import read_jsonl
 from arl.stats.trace import load_trace
 
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from arl.trainer import run
+    from arl.run import run
 
     results, traces = {}, {}
     for eta, cfg in configs.items():

@@ -405,14 +405,11 @@ def run_train(args: argparse.Namespace, path: str, floors: dict) -> list[dict]:
 def _train_variant(
     variant: str, path: str, batch: dict, mb_tokens: int | None
 ) -> tuple[dict, torch.Tensor]:
-    import socket
-
     from arl.config import ActorConfig
     from arl.engines.fsdp import FSDPEngine
+    from arl.wire.addresses import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     layout, _, extra = variant.partition("+")
     cfg = ActorConfig(
         path=path,
@@ -453,8 +450,8 @@ def _train_variant(
 # ---- weight sync ----------------------------------------------------------------------------
 def run_sync(args: argparse.Namespace, path: str, floors: dict) -> list[dict]:
     from arl.config import Config, apply_overrides
+    from arl.run import run
     from arl.stats.logger import read_jsonl
-    from arl.trainer import run
 
     out = []
     print("\n## weight sync: engine and trainer on one GPU, real arl nodes, 3 steps each")

@@ -40,7 +40,8 @@ from typing import Any
 
 from arl.bench.e2e import bench_config
 from arl.config import Config, ConfigError
-from arl.launch import detect_gpus, load_recipe
+from arl.control.placement import detect_gpus
+from arl.recipe import load_recipe
 
 CPU_PRESET = [
     "data.batch_size=2",

@@ -26,7 +26,8 @@ import torch
 
 from arl.bench.e2e import CPU_PRESET
 from arl.config import Config, ConfigError, apply_overrides
-from arl.launch import detect_gpus, load_recipe
+from arl.control.placement import detect_gpus
+from arl.recipe import load_recipe
 from arl.stats.logger import read_jsonl
 
 
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from arl.control.placement import plan_placement
-    from arl.trainer import run
+    from arl.run import run
     from arl.weights import check_plan
 
     first = next(iter(configs.values()))

@@ -21,7 +21,6 @@ Targets (issue 2): p50 <= 200 us; tcp bulk >= 5x HTTP+pickle.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import http.client
 import math
@@ -43,6 +42,7 @@ import zmq.asyncio
 
 from arl.control.controller import Controller
 from arl.control.launcher import LocalNodes
+from arl.event_loop import loop_name, run_loop
 from arl.wire.codec import Message, encode_message
 from arl.wire.sockets import LoopSocket, Security, new_secret
 
@@ -227,7 +227,7 @@ def measure_zmq_one_side(calls: int, warmup: int) -> list[Latency]:
                 if wrap is None:
                     samples = _sync_round_trips(router, identity, calls, warmup)
                 else:
-                    samples = _run(_async_round_trips(wrap(router), identity, calls, warmup))
+                    samples = run_loop(_async_round_trips(wrap(router), identity, calls, warmup))
                 out.append(Latency(name, samples, cpu.per_call_us(calls + warmup)))
         finally:
             router.close()  # also closes the wrappers (they share the libzmq socket)
@@ -379,7 +379,7 @@ def report(
     peer = {b.nbytes: b.gbps for b in http}
     lines = [
         f"## arl transport ({platform.node()}: {os.cpu_count()} cores, torch {torch.__version__},"
-        f" pyzmq {zmq.__version__} / libzmq {zmq.zmq_version()}, loop {_loop_name()},"
+        f" pyzmq {zmq.__version__} / libzmq {zmq.zmq_version()}, loop {loop_name()},"
         f" load average {os.getloadavg()[0]:.1f} at the end)",
         "",
         "| round trip (sequential) | calls | p50 µs | p99 µs | CPU µs/call, both sides |",
@@ -415,24 +415,6 @@ def report(
     return "\n".join(lines)
 
 
-def _loop_name() -> str:
-    try:
-        import uvloop  # noqa: F401
-
-        return "uvloop"
-    except ImportError:
-        return "asyncio"
-
-
-def _run(coro: Coroutine[Any, Any, Any]) -> Any:
-    try:
-        import uvloop
-
-        return uvloop.run(coro)
-    except ImportError:
-        return asyncio.run(coro)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print its tables; returns 0 (the targets are reported, not fatal)."""
     p = argparse.ArgumentParser(prog="python -m arl.bench transport", description=__doc__)
@@ -449,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     reps = {s: max(3, min(100, (64 if a.quick else 256) * MIB // s)) for s in sizes}
     torch.manual_seed(0)
 
-    latencies, arl = _run(measure_arl(calls, warmup, sizes, reps))
+    latencies, arl = run_loop(measure_arl(calls, warmup, sizes, reps))
     one_side = measure_zmq_one_side(calls, warmup)
     http_latency, http = measure_http(max(calls // 4, 100), warmup // 4, sizes, reps)
     memcpy = measure_memcpy(sizes, reps)

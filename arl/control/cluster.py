@@ -22,6 +22,7 @@ from arl.control.controller import Controller, NodeHandle
 from arl.control.launcher import LocalNodes, SlurmNodes
 from arl.control.placement import NodeSpec
 from arl.control.ray_launcher import RayNodes
+from arl.wire.addresses import is_loopback
 from arl.wire.sockets import SECRET_ENV, Security, new_secret, read_secret_file, routable_host
 
 log = logging.getLogger("arl.cluster")
@@ -152,7 +153,7 @@ class _SlurmLauncher:
 
     def controller_host(self, host: str) -> str:
         several_hosts = os.environ.get("SLURM_JOB_NUM_NODES", "1") != "1"
-        if host == "127.0.0.1" and several_hosts:
+        if is_loopback(host) and several_hosts:
             return routable_host()  # nodes on other hosts must reach the controller
         return host
 

@@ -158,7 +158,6 @@ class Controller:
         self._pending: dict[int, tuple[asyncio.Future, str, str]] = {}
         self._ids = itertools.count(1)
         self._node_joined = asyncio.Condition()
-        self._event_handlers: dict[str, list[Callable[[str, Any], Any]]] = {}
         self._lost_handlers: list[Callable[[str, str], Any]] = []
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
@@ -237,10 +236,6 @@ class Controller:
     def live_nodes(self) -> list[NodeHandle]:
         """Nodes that said hello and are not lost, in arrival order."""
         return [n for n in self.nodes.values() if not n.lost]
-
-    def on_event(self, name: str, handler: Callable[[str, Any], Any]) -> None:
-        """Call ``handler(node_id, data)`` for each event ``name`` a node pushes."""
-        self._event_handlers.setdefault(name, []).append(handler)
 
     def on_node_lost(self, handler: Callable[[str, str], Any]) -> None:
         """Call ``handler(node_id, reason)`` when a node is declared lost."""
@@ -324,7 +319,7 @@ class Controller:
         if node is None and msg.op == "event" and msg.method == "loop_stalled":
             self._on_stall_report(identity, msg.args)
             return
-        if node is None:  # counted in dropped by _recv_loop (it was counted twice)
+        if node is None:  # _recv_loop counts it in dropped (once: not here as well)
             raise WireError(f"{msg.op!r} from a peer that has not said hello")
         node.last_seen = time.monotonic()
         if msg.op in ("ok", "err"):
@@ -358,18 +353,13 @@ class Controller:
             node.blocked_in = ""  # its loop runs again
             if isinstance(msg.args, dict):
                 node.stats = msg.args
-        elif msg.op == "event":
-            for handler in self._event_handlers.get(msg.method, []):
-                res = handler(node.node_id, msg.args)
-                if asyncio.iscoroutine(res):
-                    await res
         elif msg.op == "bye":
             self._declare_lost(node, f"node exited ({msg.args})")
         else:
             raise WireError(f"controller does not accept op {msg.op!r}")
 
     async def _on_hello(self, identity: bytes, msg: Message) -> None:
-        # A malformed hello must not register a node (found by the wire fuzz tests).
+        # A malformed hello must not register a node (tests/integration/test_wire_fuzz.py).
         if not isinstance(msg.args, dict) or not isinstance(msg.args.get("node_id", ""), str):
             raise WireError("hello must carry a map whose node_id is a string")
         known = self._by_identity.get(identity)

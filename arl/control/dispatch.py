@@ -1,4 +1,4 @@
-"""Token-balanced dispatch of shards over data-parallel ranks, and the ordered merge back.
+"""Token-balanced dispatch of shards over data-parallel ranks.
 
 Shards are prompt groups and stay whole. ``split_balanced`` places them largest first on the
 least-loaded rank (LPT), then improves the result with moves and swaps between the heaviest rank
@@ -11,15 +11,8 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections.abc import Sequence
-from typing import Any, TypeVar
 
 from arl.control.rtensor import RTensor
-
-T = TypeVar("T")
-
-
-class MergeError(ValueError):
-    """Per-rank results that do not match the assignment they came from."""
 
 
 def split_balanced(n_tokens: Sequence[int], n_ranks: int) -> list[list[int]]:
@@ -85,26 +78,6 @@ def _improve(sizes: list[int], bins: list[list[int]], max_rounds: int = 10_000) 
             bins[hi].append(j)
             loads[lo] -= sizes[j]
             loads[hi] += sizes[j]
-
-
-def merge_ordered(parts: Sequence[Sequence[T]], assignment: Sequence[Sequence[int]]) -> list[T]:
-    """Results back in the original order: ``parts[r][k]`` belongs at ``assignment[r][k]``."""
-    if len(parts) != len(assignment):
-        raise MergeError(
-            f"{len(parts)} result lists for an assignment over {len(assignment)} ranks"
-        )
-    n = sum(len(a) for a in assignment)
-    out: list[Any] = [None] * n
-    seen = [False] * n
-    for r, (part, idx) in enumerate(zip(parts, assignment, strict=True)):
-        if len(part) != len(idx):
-            raise MergeError(f"rank {r} returned {len(part)} results for {len(idx)} shards")
-        for value, i in zip(part, idx, strict=True):
-            if not 0 <= i < n or seen[i]:
-                raise MergeError(f"assignment index {i} (rank {r}) is out of range or repeated")
-            seen[i] = True
-            out[i] = value
-    return out
 
 
 def dispatch(batch: RTensor, n_ranks: int) -> tuple[list[RTensor], list[list[int]]]:

@@ -33,6 +33,20 @@ class NodeSpec:
     colocated: bool = False
 
 
+def detect_gpus(cfg: Config) -> int:
+    """GPUs to place nodes on: cluster.n_gpus, or what torch sees."""
+    if cfg.cluster.n_gpus is not None:
+        return cfg.cluster.n_gpus
+    import torch  # imported only here: it is slow to import and --help should not wait for it
+
+    return torch.cuda.device_count()
+
+
+def place(cfg: Config) -> list[NodeSpec]:
+    """The plan of ``cfg`` on the GPUs `detect_gpus` finds."""
+    return plan_placement(cfg, detect_gpus(cfg))
+
+
 def plan_placement(cfg: Config, n_gpus: int) -> list[NodeSpec]:
     """Place the rollout replicas and train ranks of ``cfg`` on ``n_gpus`` GPUs (0: CPU only)."""
     plan = _place(cfg, n_gpus)

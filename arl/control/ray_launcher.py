@@ -45,6 +45,7 @@ from arl.config import ConfigError
 from arl.control.launcher import node_command
 from arl.control.placement import NodeSpec
 from arl.process import OwnedProcess, spawn
+from arl.wire.addresses import is_loopback
 from arl.wire.sockets import SECRET_ENV, Security
 
 log = logging.getLogger("arl.ray")
@@ -268,11 +269,11 @@ class RayNodes:
     def controller_host(self, host: str) -> str:
         """The address nodes can reach the controller at: ``host``, unless that is loopback and
         some Ray node is on another host; then this host's address as Ray knows it."""
-        if host not in ("127.0.0.1", "localhost"):
+        if not is_loopback(host):
             return host
         here = self._ray.util.get_node_ip_address()
         hosts = {n["NodeManagerAddress"] for n in self._ray.nodes() if n.get("Alive")}
-        if hosts <= {here, "127.0.0.1"}:
+        if all(h == here or is_loopback(h) for h in hosts):
             return host
         log.info("Ray nodes on other hosts (%s): the controller binds %s", sorted(hosts), here)
         return here

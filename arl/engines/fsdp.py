@@ -659,32 +659,6 @@ class FSDPEngine:
         """Drop accumulated gradients (after `accumulate_gradients` used on its own)."""
         self.optimizer.zero_grad(set_to_none=True)
 
-    @torch.no_grad()
-    def eval_loss(
-        self,
-        batch: Mapping[str, torch.Tensor],
-        layout: Layout | None = None,
-        max_tokens_per_mb: int | None = None,
-    ) -> float:
-        """The token-mean PPO loss of the whole batch (all ranks) without touching the weights."""
-        n_global = float(self._all_sum(torch.tensor([float(batch["loss_mask"].sum())]))[0])
-        keys = _TRAIN_KEYS + tuple(k for k in ("prox_logp",) if k in batch)
-        total = torch.zeros(1, dtype=torch.float64)
-        for rows in self._micro_batches(batch, max_tokens_per_mb or self._token_budget(batch)):
-            if not rows:
-                self._dummy_pass(self.model, backward=False)
-                continue
-            mb = self._to_device(select_rows(batch, rows), keys)
-            logp, _ = forward_logp(
-                self.model,
-                mb["input_ids"],
-                mb["attention_mask"],
-                self.cfg.temperature,
-                layout or self.layout,
-            )
-            total += float(self._loss(logp, mb, n_global)[0])
-        return float(self._all_sum(total)[0])
-
     # ------------------------------------------------------------------ weights and state
 
     def state_dict_for_sync(

@@ -19,7 +19,6 @@ import json as _json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, TypeVar
 import aiohttp
 
 from arl.process import OwnedProcess, spawn
+from arl.wire.addresses import free_port as free_port  # re-exported for the server engines
 
 if TYPE_CHECKING:
     from arl.engines.spec import EngineSpec
@@ -55,13 +55,6 @@ class ServerExited(ServerError):
     The message names the server, its pid and exit status, and ends with the last lines of its
     log. Every request in flight when it exited, and every later one, raises it.
     """
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (another process may still take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 class ServerProcess:

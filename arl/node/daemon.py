@@ -39,9 +39,11 @@ from typing import Any
 
 import zmq
 
+from arl.event_loop import run_loop
 from arl.protocol.imports import ImportRefused as ImportRefused  # re-exported for callers
 from arl.protocol.imports import resolve_import
 from arl.protocol.stall import stall_report, watchdog_identity
+from arl.wire.addresses import free_port, is_loopback
 from arl.wire.codec import (
     Message,
     WireError,
@@ -236,10 +238,6 @@ class NodeDaemon:
     async def _send(self, msg: Message) -> None:
         await self.sock.send_multipart(encode_message(msg), copy=False)
 
-    async def emit(self, event: str, data: Any) -> None:
-        """Push an event to the controller without being asked."""
-        await self._send(Message("event", 0, event, data))
-
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_interval)
@@ -349,8 +347,8 @@ class NodeDaemon:
             reply = Message("ok", msg.id, msg.method, result)
         except (asyncio.CancelledError, KeyboardInterrupt, SystemExit, GeneratorExit):
             raise
-        except BaseException as e:  # also torch's CheckpointException, a BaseException: an
-            # unanswered call would leave the caller waiting forever (found by a full disk)
+        except BaseException as e:  # also torch's CheckpointException (a BaseException, raised
+            # on a full disk): an unanswered call would leave the caller waiting forever
             reply = Message("err", msg.id, msg.method, error_payload(e))
         try:
             await self._send(reply)
@@ -373,9 +371,7 @@ class NodeDaemon:
             # Owners drop their shards and consumers their pulled copies: one fan-out frees all.
             return self.store.free(a["keys"]) if self.store is not None else 0
         if method == "free_port":
-            with socket.socket() as s:
-                s.bind((a.get("host", self.data_host), 0))
-                return s.getsockname()[1]
+            return free_port(a.get("host", self.data_host))
         if method == "destroy":
             obj = self.objects.pop(a["name"], None)
             if obj is not None:
@@ -475,8 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     security = Security.from_env(a.secret_file, curve=a.curve)
     os.environ.pop("ARL_SECRET", None)  # engines and their subprocesses do not need it
-    loopback = "127.0.0.1" in a.controller or "localhost" in a.controller
-    data_host = a.data_host or ("127.0.0.1" if loopback else socket.gethostname())
+    data_host = a.data_host or ("127.0.0.1" if is_loopback(a.controller) else socket.gethostname())
     node = NodeDaemon(
         a.controller,
         security,
@@ -487,13 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         data_host=data_host,
         max_message_bytes=a.max_message_bytes,
     )
-    try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:
-        runner = asyncio.run
-    reason = runner(node.run())
+    reason = run_loop(node.run())
     log.info("node %s exited: %s", node.node_id, reason)
     logging.shutdown()
     # Sockets, shards and hosted objects are closed by now. The engine thread may still be

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 
 from arl.config import ConfigError, WeightSyncConfig
+from arl.wire.addresses import is_loopback
 
 if TYPE_CHECKING:
     from arl.control.cluster import Cluster, PlacedNode
@@ -187,7 +188,7 @@ async def match_engine_dtype(train: list[RemoteObject], workers: list[RemoteObje
 
 def rendezvous_host(cluster: Cluster) -> str:
     """The address of train rank 0's node that the other nodes reach (loopback when local)."""
-    if "127.0.0.1" in cluster.controller.address:
+    if is_loopback(cluster.controller.address):
         return "127.0.0.1"
     return cluster.train[0].handle.info["host"]
 

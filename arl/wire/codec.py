@@ -131,8 +131,8 @@ def _check_meta(dtype_s: Any, shape: Any) -> tuple[torch.dtype, list[int], int]:
     n = 1
     for s in shape:
         n *= s
-        # Each dim is bounded too: [0, 2**63] has no elements but no tensor can take that shape
-        # (fix found by the fuzz tests: it used to reach torch.empty and fail there).
+        # Each dim is bounded too: [0, 2**63] has no elements, but torch.empty cannot take that
+        # shape, so it must be refused here as a WireError rather than fail there.
         if n > MAX_ELEMENTS or s > MAX_ELEMENTS:
             raise WireError(f"declared tensor shape {shape} is too large")
     return dtype, shape, n * torch.empty((), dtype=dtype).element_size()

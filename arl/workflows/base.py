@@ -1,8 +1,10 @@
 """The `Workflow` protocol: how one dataset row becomes one trajectory shard.
 
-A workflow runs on a rollout node, next to its engine. ``arun_episode`` returns a prompt group as
-a dict of tensors (the layout below), or rejects the row by returning ``None`` or raising
-`EpisodeRejected`. Every tensor is right-padded to the group's longest sequence:
+A workflow runs on a rollout node, next to its engine; the node builds it as a `WorkflowFactory`
+(the class named by ``rollout.workflow``) and calls ``arun_episode`` for training with the
+workflow's own sampling and group size, and for evaluation with the evaluator's. It returns a
+prompt group as a dict of tensors (the layout below), or rejects the row by returning ``None``
+or raising `EpisodeRejected`. Every tensor is right-padded to the group's longest sequence:
 
 - ``input_ids`` int64 [n, L], ``attention_mask`` bool [n, L]
 - ``loss_mask`` bool [n, L]: True on generated tokens
@@ -17,11 +19,12 @@ are not episodes, as with multi-turn agents).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from arl.engines.base import Engine
+from arl.engines.base import Engine, SamplingParams
 
 TRAJECTORY_KEYS = ("input_ids", "attention_mask", "loss_mask", "logprobs", "versions", "rewards")
 
@@ -48,9 +51,36 @@ def group_score(group: dict | None) -> float:
 class Workflow(Protocol):
     """Turns a dataset row into a trajectory using an engine."""
 
-    async def arun_episode(self, engine: Engine, data: dict[str, Any]) -> dict | None:
-        """Run one episode (a prompt group); ``None`` rejects the row."""
+    async def arun_episode(
+        self,
+        engine: Engine,
+        data: dict[str, Any],
+        sampling: SamplingParams | None = None,
+        n_samples: int | None = None,
+    ) -> dict | None:
+        """Run one prompt group of ``n_samples`` episodes under ``sampling`` (None: the
+        workflow's own; evaluation passes its greedy sampling); ``None`` rejects the row."""
         ...
+
+
+class WorkflowFactory(Protocol):
+    """What ``rollout.workflow`` names: called once per rollout node to build its workflow.
+
+    ``reward_fn(text, data)`` is ``rollout.reward``; ``sampling`` and ``n_samples`` are the
+    training defaults; extra keyword arguments come from the workflow's own settings (the agent
+    workflow's ``agent``, ``trajectory``, ``turn_discount``).
+    """
+
+    def __call__(
+        self,
+        tokenizer: Any,
+        reward_fn: Callable[[str, dict[str, Any]], Awaitable[float]],
+        sampling: SamplingParams,
+        *,
+        n_samples: int,
+        max_prompt_len: int,
+        prompt_overflow: str,
+    ) -> Workflow: ...
 
 
 def pack_group(

@@ -12,14 +12,11 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from arl.agent.chat_format import PromptTooLong as PromptTooLong  # raised here, re-exported
 from arl.engines.base import Engine, SamplingParams, generate_to_completion
 from arl.workflows.base import pack_group
 
 RewardFn = Callable[[str, dict[str, Any]], Awaitable[float]]
-
-
-class PromptTooLong(ValueError):
-    """A prompt longer than ``max_prompt_len`` with ``prompt_overflow="error"``."""
 
 
 class RLVRWorkflow:

@@ -25,8 +25,8 @@ import torch
 
 from arl.config import Config
 from arl.control.placement import plan_placement
+from arl.run import run
 from arl.stats.logger import read_jsonl
-from arl.trainer import run
 from arl.weights import check_plan
 from tests.support.tiny_model import make_tiny_model, tiny_run_config
 

@@ -19,8 +19,8 @@ from arl.engines.base import SamplingParams
 from arl.engines.hf import HFEngine
 from arl.filters import nonconstant_reward
 from arl.rewards.arith import arith_reward
+from arl.run import run
 from arl.stats.logger import read_jsonl
-from arl.trainer import run
 from arl.workflows.agent import AgentWorkflow
 from tests.support.agents import CALL, FINAL, ROW, conversation_ids, make_tool_model
 from tests.support.cluster import local_cluster

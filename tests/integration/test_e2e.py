@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
+from arl.run import run
 from arl.stats.logger import read_jsonl
-from arl.trainer import run
 from tests.support.tiny_model import make_tiny_model, tiny_run_config
 
 

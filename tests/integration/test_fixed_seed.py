@@ -15,8 +15,8 @@ import json
 import os
 from pathlib import Path
 
+from arl.run import run
 from arl.stats.logger import read_jsonl
-from arl.trainer import run
 from tests.support.tiny_model import make_tiny_model, tiny_run_config
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "fixed_seed_cpu.json"

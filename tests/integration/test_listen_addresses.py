@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from arl.trainer import run
+from arl.run import run
 from tests.support.tiny_model import make_tiny_model, tiny_run_config
 
 

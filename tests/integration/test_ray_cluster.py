@@ -270,7 +270,7 @@ def tiny_model(tmp_path_factory):
 def test_tiny_run_with_nodes_placed_by_ray(tmp_path, tiny_model, ray_head, caplog):
     """The tiny end-to-end recipe (3 GRPO steps, weight sync checked) with cluster.launcher=ray:
     Ray starts the nodes, arl's own sockets carry everything, nothing is left afterwards."""
-    from arl.trainer import run
+    from arl.run import run
 
     cfg = tiny_run_config(
         tmp_path,

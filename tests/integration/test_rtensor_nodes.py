@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from arl.control.dispatch import dispatch, merge_ordered
+from arl.control.dispatch import dispatch
 from arl.control.rtensor import RTensor, ShardRef
 from tests.support.cluster import local_cluster
 from tests.support.objects import make_group
@@ -60,8 +60,11 @@ def test_batch_pulled_by_two_ranks_merges_back_identical_and_in_order(specs):
         pulled = await asyncio.gather(
             *(lab.fetch(part.to_wire()) for (_, lab), part in zip(consumers, parts, strict=True))
         )
-        merged = merge_ordered(pulled, assignment)
-        assert len(merged) == len(specs)
+        merged: list = [None] * len(specs)  # back in the batch's order
+        for part, idx in zip(pulled, assignment, strict=True):
+            assert len(part) == len(idx)
+            for got, i in zip(part, idx, strict=True):
+                merged[i] = got
         for (seed, size, max_len), got in zip(specs, merged, strict=True):
             want = make_group(seed, size, max_len)
             assert set(got) == set(want)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from arl.run import run
 from arl.stats.logger import read_jsonl
-from arl.trainer import run
 from arl.weights import WeightSyncError
 from tests.support.sglang_standin import IGNORE_UPDATES_ENV
 from tests.support.tiny_model import make_tiny_model, tiny_run_config

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from arl.run import run
 from arl.stats.logger import read_jsonl
-from arl.trainer import run
 from tests.support.tiny_model import make_tiny_model, tiny_run_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(7200)]

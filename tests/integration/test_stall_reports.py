@@ -24,7 +24,7 @@ from arl.control.rollout import RolloutController, RolloutFailed
 from arl.control.staleness import StalenessSemaphore
 from arl.data.arith import make_arith
 from arl.data.loader import StatefulLoader
-from arl.launch import recoverable
+from arl.supervisor import recoverable
 from tests.support import hostile
 from tests.support.cluster import local_cluster
 from tests.support.tiny_model import make_tiny_model

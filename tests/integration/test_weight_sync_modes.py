@@ -18,8 +18,8 @@ import torch
 
 from arl.config import Config, ConfigError, apply_overrides
 from arl.control.placement import plan_placement
+from arl.run import run
 from arl.stats.logger import read_jsonl
-from arl.trainer import run
 from arl.weights.buckets import (
     ALIGN,
     BroadcastGroup,

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arl.control.dispatch import MergeError, dispatch, merge_ordered, split_balanced
+from arl.control.dispatch import dispatch, split_balanced
 from arl.control.rtensor import RTensor, ShardRef
 
 
@@ -96,25 +96,12 @@ def test_improvement_pass_beats_plain_lpt() -> None:
     sizes=st.lists(st.integers(min_value=0, max_value=10_000), max_size=80),
     n_ranks=st.integers(min_value=1, max_value=9),
 )
-def test_merge_inverts_split(sizes: list[int], n_ranks: int) -> None:
+def test_split_is_a_partition_within_the_lpt_bound(sizes: list[int], n_ranks: int) -> None:
     assignment = split_balanced(sizes, n_ranks)
     assert _is_partition(assignment, len(sizes))
-    items = [f"item{i}:{s}" for i, s in enumerate(sizes)]
-    parts = [[items[i] for i in idx] for idx in assignment]
-    assert merge_ordered(parts, assignment) == items
     # No rank is heavier than the LPT bound: mean plus the largest item.
     if sizes:
         assert max(_loads(sizes, assignment)) <= sum(sizes) / n_ranks + max(sizes)
-
-
-def test_merge_rejects_results_that_do_not_match() -> None:
-    assignment = [[0, 2], [1]]
-    with pytest.raises(MergeError, match="rank 1 returned 2 results for 1 shards"):
-        merge_ordered([["a", "c"], ["b", "x"]], assignment)
-    with pytest.raises(MergeError, match="2 result lists"):
-        merge_ordered([["a"], ["b"]], [[0], [1], []])
-    with pytest.raises(MergeError, match="repeated"):
-        merge_ordered([["a"], ["b"]], [[0], [0]])
 
 
 def test_dispatch_gives_each_rank_an_rtensor_of_its_refs() -> None:
@@ -123,8 +110,8 @@ def test_dispatch_gives_each_rank_an_rtensor_of_its_refs() -> None:
     per_rank, assignment = dispatch(batch, 3)
     assert [len(r) for r in per_rank] == [len(a) for a in assignment]
     assert all(r.peers == batch.peers for r in per_rank)
-    merged = merge_ordered([list(r.refs) for r in per_rank], assignment)
-    assert merged == list(batch.refs)
+    assert _is_partition(assignment, len(refs))
+    assert [list(r.refs) for r in per_rank] == [[refs[i] for i in idx] for idx in assignment]
 
 
 def test_rtensor_wire_roundtrip_and_size_independent_of_length() -> None:

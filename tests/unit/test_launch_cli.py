@@ -83,7 +83,7 @@ def test_recipes_import_no_torch():
     """--help RECIPE stays fast: importing a recipe (and the launcher) leaves torch unimported."""
     script = (
         "import sys\n"
-        "from arl.launch import import_recipe\n"
+        "from arl.recipe import import_recipe\n"
         "for r in ('arith', 'gsm8k', 'gsm8k_agent'):\n"
         "    import_recipe(f'recipes/{r}.py').make_config()\n"
         "print('torch' in sys.modules)\n"

@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_core_never_imports_ray():
     code = (
         "import sys, arl, arl.config, arl.control.cluster, arl.control.launcher, "
-        "arl.control.ray_launcher, arl.trainer, arl.launch, arl.node.daemon\n"
+        "arl.control.ray_launcher, arl.trainer, arl.run, arl.supervisor, arl.launch, "
+        "arl.node.daemon\n"
         "assert 'ray' not in sys.modules, 'ray was imported'\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)

@@ -13,7 +13,7 @@ import json
 import operator
 from typing import Any
 
-from arl.workflows.rlvr import PromptTooLong
+from arl.agent import PromptTooLong
 
 MAX_TURNS = 4
 

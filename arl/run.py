@@ -1,0 +1,42 @@
+"""The run: a cluster for the placement plan, the PPO trainer on it, to the last step.
+
+``python -m arl.launch`` places the config once and hands the plan here, through
+`arl.supervisor.supervise`; an embedding program or a test may call `run` directly (without a
+plan it places the config on the GPUs torch sees). This module never imports the CLI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from arl.config import Config
+from arl.control.cluster import start_cluster
+from arl.control.placement import NodeSpec, place
+from arl.trainer import PPOTrainer, load_data
+
+
+async def run(
+    cfg: Config,
+    plan: list[NodeSpec] | None = None,
+    *,
+    run_id: str | None = None,
+    data: tuple[list[dict], list[dict]] | None = None,
+) -> None:
+    """Run the whole experiment described by ``cfg`` on the nodes of ``plan``; metrics rows
+    carry ``run_id``; ``data`` is `load_data`'s (train, eval) rows when the caller already
+    loaded them."""
+    t0 = time.monotonic()
+    if plan is None:
+        plan = place(cfg)
+    # The data first: a missing or unreachable dataset fails before any process starts.
+    if data is None:
+        data = await asyncio.get_running_loop().run_in_executor(None, load_data, cfg)
+    async with start_cluster(cfg, plan) as cluster:
+        trainer = PPOTrainer(cfg, cluster, run_id=run_id)
+        try:
+            await trainer.setup(data)
+            await trainer.train()
+        finally:
+            await trainer.close()
+    print(trainer.summary(time.monotonic() - t0), flush=True)  # after the nodes' exit logs

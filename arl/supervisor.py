@@ -1,0 +1,77 @@
+"""The restart supervisor: runs `arl.run.run` and, with ``recover.mode=auto``, starts it again
+from the last recovery checkpoint after a failure a fresh cluster may get past.
+
+A restart reuses the run directory, its lock, the run id, the loaded data and the placement
+plan; at most ``recover.retries`` restarts. An error that would happen again (a bug, bad data,
+code that blocked a node's event loop) is not retried. This module never imports the CLI.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from arl.ckpt.recovery import CheckpointError
+from arl.config import Config
+from arl.control.controller import NodeLost, RemoteError
+from arl.control.placement import NodeSpec
+from arl.control.rollout import RolloutFailed
+from arl.event_loop import run_loop
+from arl.run import run
+from arl.trainer import CallTimeout
+
+
+def supervise(
+    cfg: Config,
+    plan: list[NodeSpec],
+    run_id: str | None = None,
+    data: tuple[list[dict], list[dict]] | None = None,
+) -> int:
+    """Run the experiment on ``plan``, restarting it when ``recover.mode=auto`` allows; returns
+    the exit status (0 done, 1 stopped by an error, which is printed)."""
+    restarts = 0
+    while True:
+        try:
+            run_loop(run(cfg, plan, run_id=run_id, data=data))
+            return 0
+        except (NodeLost, RolloutFailed, CallTimeout, RemoteError, CheckpointError) as e:
+            # The cluster is down by now (every process of the attempt was ended).
+            print(f"error: the run stopped: {e}", file=sys.stderr)
+            if cfg.recover.mode != "auto":
+                return 1
+            if not recoverable(e):
+                print(
+                    "recovery: not restarting (this error would happen again); once it is "
+                    "fixed, run the same command to resume from the last checkpoint",
+                    file=sys.stderr,
+                )
+                return 1
+            if restarts >= cfg.recover.retries:
+                print(
+                    f"error: giving up after {restarts} restart(s) (recover.retries="
+                    f"{cfg.recover.retries})",
+                    file=sys.stderr,
+                )
+                return 1
+            restarts += 1
+            print(
+                f"recovery: restarting the run from its last checkpoint (restart {restarts} of "
+                f"at most {cfg.recover.retries})",
+                file=sys.stderr,
+            )
+
+
+def recoverable(exc: BaseException) -> bool:
+    """Whether a fresh cluster may get past ``exc``: a node that died, stopped answering, or
+    hung in a call is worth a restart; an exception raised by code (a bug, bad data, a full
+    disk), or a node whose event loop code blocked (its watchdog named it), would only happen
+    again."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, NodeLost) and seen.blocked_in:  # code blocked its event loop
+            return False
+        if isinstance(seen, NodeLost | CallTimeout):
+            return True
+        if getattr(seen, "type_name", "") == "ServerExited":  # a node's inference server died
+            return True
+        seen = seen.__cause__
+    return False
