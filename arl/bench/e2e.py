@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", type=Path, default=Path("runs/bench-e2e"))
     p.add_argument("overrides", nargs="*", help="config overrides key=value (applied last)")
-    a = p.parse_args(args)
+    a = p.parse_intermixed_args(args)
     if a.steps < 2:
         print("error: --steps must be >= 2 (step 1 is the warm-up)", file=sys.stderr)
         return 2

@@ -89,7 +89,7 @@ async def _sample_engines(workers: list, samples: list[tuple[float, list[dict]]]
 
 
 async def run_loop(cfg: Config, profile_step: int, profile_dir: Path) -> dict:
-    """Run the loop like `arl.trainer.run`, with the profiler armed and the engines sampled."""
+    """Run the loop like `arl.run.run`, with the profiler armed and the engines sampled."""
     from arl.control.cluster import start_cluster
     from arl.control.placement import plan_placement
     from arl.trainer import PPOTrainer
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", type=Path, default=Path("runs/bench-loop"))
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     p.add_argument("overrides", nargs="*", help="config overrides key=value (applied last)")
-    a = p.parse_args(args)
+    a = p.parse_intermixed_args(args)
     if a.steps < 2:
         print("error: --steps must be >= 2 (step 1 is the warm-up)", file=sys.stderr)
         return 2

@@ -57,3 +57,10 @@ def test_loop_bench_writes_every_phase_beside_its_floor(tmp_path, tiny_model, ca
 def test_loop_bench_refuses_a_profile_step_outside_the_run(tmp_path, capsys):
     assert main(["--steps", "3", "--profile-step", "3", "--run-dir", str(tmp_path)]) == 2
     assert "--profile-step must be in 1..2" in capsys.readouterr().err
+
+
+def test_overrides_may_come_between_options(capsys):
+    """``--steps 5 cluster.n_gpus=1 --profile-step 7``: the option after an override is still
+    read (here it is refused, before anything starts, because step 7 is past the last)."""
+    assert main(["--steps", "5", "cluster.n_gpus=0", "--profile-step", "7", "actor.lr=1e-5"]) == 2
+    assert "--profile-step must be in 1..4" in capsys.readouterr().err
