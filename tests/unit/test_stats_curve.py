@@ -1,4 +1,4 @@
-"""`python -m arl.stats.curve`: learning-curve points from metrics.jsonl rows (the logger's keys)."""
+"""`python -m arl.stats.curve`: curve points from metrics.jsonl rows (the logger's keys)."""
 
 import json
 
