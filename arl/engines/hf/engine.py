@@ -387,12 +387,27 @@ class HFEngine:
         widths = buckets(width_bucket(length, self.max_seq_len), width_bucket)
         self._cache.reserve(self.max_batch_size, widths[-1])
         with self._model_lock, torch.no_grad(), torch.cuda.device(self.device):
-            for width in widths:
-                for rows in buckets(self.max_batch_size, row_bucket):
-                    # Free rows: the garbage these passes write is overwritten by a prefill.
-                    self._pos[:rows] = 0
-                    self._graphs.get(rows, width, self._cache, self._forward_decode)
-            torch.cuda.synchronize(self.device)
+            try:
+                for width in widths:
+                    for rows in buckets(self.max_batch_size, row_bucket):
+                        # Free rows: the garbage these passes write is overwritten by a prefill.
+                        self._pos[:rows] = 0
+                        self._graphs.get(rows, width, self._cache, self._forward_decode)
+                torch.cuda.synchronize(self.device)
+            except torch.cuda.OutOfMemoryError as exc:
+                # The full-size cache does not fit next to what else holds this GPU now: start
+                # small and grow on demand, as without a warm-up.
+                logger.warning("hf engine warm-up ran out of memory (%s); capturing lazily", exc)
+                self._last_error = f"warm-up ran out of memory: {exc}"
+                self._graphs.clear()
+                self._cache.free()
+                torch.cuda.empty_cache()
+            except Exception as exc:
+                # A model whose forward cannot be captured still works, only slower.
+                logger.exception("CUDA graph capture failed in warm-up; decoding eagerly")
+                self._last_error = f"CUDA graph capture failed: {exc!r}"
+                self.cuda_graphs = False
+                self._graphs.clear()
         self.warm_up_s = time.perf_counter() - t0
         logger.info(
             "hf engine: %d decode graphs (rows up to %d, KV widths up to %d) in %.1f s",

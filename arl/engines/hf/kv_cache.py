@@ -95,7 +95,7 @@ class SlotKVCache:
             v[dst, :, :kv_len] = v[src, :, :kv_len]
 
     def free(self) -> None:
-        """Drop the buffers (the engine is closing)."""
+        """Drop the buffers (closing, or a warm-up that did not fit); later use reallocates."""
         self.keys.clear()
         self.values.clear()
         self._rows_cap = self._seq_cap = 0
