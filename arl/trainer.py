@@ -28,11 +28,11 @@ from arl.control.controller import RemoteObject
 from arl.control.dispatch import dispatch
 from arl.control.placement import plan_placement
 from arl.control.rollout import RolloutController
-from arl.control.rtensor import RTensor, ShardRef
 from arl.control.staleness import StalenessSemaphore
 from arl.data.loader import StatefulLoader
 from arl.engines.spec import SERVER_ENGINES, engine_spec
 from arl.protocol.imports import resolve_import
+from arl.protocol.rtensor import RTensor, ShardRef
 from arl.stats.logger import StatsLogger
 from arl.stats.trace import Tracer
 from arl.weights import SyncContext, WeightSync, WeightSyncError, make_weight_sync

@@ -13,7 +13,7 @@ import heapq
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from arl.control.rtensor import RTensor
+from arl.protocol.rtensor import RTensor
 
 T = TypeVar("T")
 

@@ -19,10 +19,11 @@ from typing import Any
 
 import attrs
 
-from arl.control.controller import BadReply, NodeLost, RemoteError, RemoteObject
-from arl.control.rtensor import RTensor, RTensorError, ShardRef
+from arl.control.controller import BadReply, NodeLost, RemoteObject
 from arl.control.staleness import StalenessSemaphore, is_stale
 from arl.data.loader import StatefulLoader
+from arl.protocol.errors import RemoteError
+from arl.protocol.rtensor import RTensor, RTensorError, ShardRef
 from arl.stats.trace import Tracer
 
 log = logging.getLogger("arl.rollout")

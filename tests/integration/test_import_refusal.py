@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from arl.config import Config, ConfigError, apply_overrides
-from arl.control.controller import RemoteError
 from arl.node.daemon import ImportRefused
+from arl.protocol.errors import RemoteError
 from arl.trainer import load_rows
 from tests.support.cluster import local_cluster
 

@@ -20,13 +20,14 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from arl.control.controller import NodeLost, RemoteError
+from arl.control.controller import NodeLost
 from arl.data.arith import make_arith
 from arl.engines.base import SamplingParams, generate_to_completion
 from arl.engines.server import ServerExited
 from arl.engines.sglang import SGLangEngine
 from arl.engines.spec import EngineSpec
 from arl.process import process_group_members
+from arl.protocol.errors import RemoteError
 from tests.support.cluster import local_cluster
 from tests.support.tiny_model import make_tiny_model
 

@@ -14,12 +14,12 @@ import time
 
 import pytest
 
-from arl.control.controller import RemoteError
 from arl.control.rollout import RolloutController
 from arl.control.staleness import StalenessSemaphore
 from arl.data.arith import make_arith
 from arl.data.loader import StatefulLoader
 from arl.node.rollout import data_id
+from arl.protocol.errors import RemoteError
 from arl.trainer import CallTimeout, call_all
 from tests.support.cluster import local_cluster
 from tests.support.tiny_model import make_tiny_model
