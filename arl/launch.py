@@ -146,6 +146,7 @@ def recoverable(exc: BaseException) -> bool:
     disk), or a node whose event loop code blocked (its watchdog named it), would only happen
     again."""
     from arl.control.controller import NodeLost
+    from arl.protocol.errors import RemoteError
     from arl.trainer import CallTimeout
 
     seen: BaseException | None = exc
@@ -154,7 +155,7 @@ def recoverable(exc: BaseException) -> bool:
             return False
         if isinstance(seen, NodeLost | CallTimeout):
             return True
-        if getattr(seen, "type_name", "") == "ServerExited":  # a node's inference server died
+        if isinstance(seen, RemoteError) and seen.recoverable:  # e.g. its inference server died
             return True
         seen = seen.__cause__
     return False

@@ -22,7 +22,7 @@ import attrs
 from arl.control.controller import BadReply, NodeLost, RemoteObject
 from arl.control.staleness import StalenessSemaphore, is_stale
 from arl.data.loader import StatefulLoader
-from arl.protocol.errors import RemoteError
+from arl.protocol.errors import ErrorKind, RemoteError
 from arl.protocol.rtensor import RTensor, RTensorError, ShardRef
 from arl.stats.trace import Tracer
 
@@ -204,11 +204,11 @@ class RolloutController:
             log.error("rollout of %s stopped: %s", key, e)
             self._fail(e)
         except RemoteError as e:
-            if e.type_name == "ServerExited":  # the node's inference server died: it is leaving
+            if e.kind is ErrorKind.SERVER_EXITED:  # the node's inference server died: it leaves
                 self._fail(e)
                 return
             self.stats.failed += 1
-            self.stats.timed_out += e.type_name == "GroupTimeout"
+            self.stats.timed_out += e.kind is ErrorKind.GROUP_TIMEOUT
             self._consecutive_failures += 1
             log.warning(
                 "rollout of %s on %s failed: %s: %s",

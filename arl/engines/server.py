@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, TypeVar
 import aiohttp
 
 from arl.process import OwnedProcess, spawn
+from arl.protocol.errors import ErrorKind
 
 if TYPE_CHECKING:
     from arl.engines.spec import EngineSpec
@@ -55,6 +56,8 @@ class ServerExited(ServerError):
     The message names the server, its pid and exit status, and ends with the last lines of its
     log. Every request in flight when it exited, and every later one, raises it.
     """
+
+    error_kind = ErrorKind.SERVER_EXITED
 
 
 def free_port(host: str = "127.0.0.1") -> int:

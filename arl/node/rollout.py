@@ -21,6 +21,7 @@ import torch
 
 from arl.engines.base import SamplingParams
 from arl.engines.spec import EngineSpec, build_engine
+from arl.protocol.errors import ErrorKind
 from arl.protocol.imports import ImportRefused, resolve_import
 from arl.workflows.base import TRAJECTORY_KEYS, EpisodeRejected, group_score
 
@@ -35,6 +36,8 @@ def data_id(row: dict) -> str:
 
 class GroupTimeout(TimeoutError):
     """A prompt group ran longer than ``rollout.group_timeout``; it was cancelled and dropped."""
+
+    error_kind = ErrorKind.GROUP_TIMEOUT
 
 
 class RolloutWorker:
