@@ -32,6 +32,7 @@ from arl.control.staleness import StalenessSemaphore
 from arl.data.loader import StatefulLoader
 from arl.engines.spec import SERVER_ENGINES, engine_spec
 from arl.protocol.imports import resolve_import
+from arl.protocol.report import GroupReport
 from arl.protocol.rtensor import RTensor, ShardRef
 from arl.stats.logger import StatsLogger
 from arl.stats.trace import Tracer
@@ -501,19 +502,19 @@ class PPOTrainer:
         prefixes = tuple(self.cfg.cluster.allowed_import_prefixes)
         return resolve_import(self.cfg.rollout.filter, prefixes)
 
-    def _rollout_metrics(self, infos: list[dict]) -> dict:
-        rewards = [r for i in infos for r in i.get("episode_rewards", i["rewards"])]
-        staleness = [self.version - 1 - i["min_version"] for i in infos]
+    def _rollout_metrics(self, infos: list[GroupReport]) -> dict:
+        rewards = [r for i in infos for r in i.episode_rewards]
+        staleness = [self.version - 1 - i.min_version for i in infos]
         s = self.rollout.stats
         return {
             "rollout/reward_mean": sum(rewards) / max(1, len(rewards)),
             "rollout/accuracy": sum(r > 0 for r in rewards) / max(1, len(rewards)),
-            "rollout/gen_tokens": sum(i["n_gen_tokens"] for i in infos),
+            "rollout/gen_tokens": sum(i.n_gen_tokens for i in infos),
             "rollout/staleness": staleness,
             "rollout/staleness_max": max(staleness, default=0),
             # Groups whose tokens come from more than one policy version (a sync interrupted
             # them and they went on under the new weights).
-            "rollout/version_switches": sum(i["max_version"] > i["min_version"] for i in infos),
+            "rollout/version_switches": sum(i.max_version > i.min_version for i in infos),
             "rollout/submitted": s.submitted,
             "rollout/accepted": s.accepted,
             "rollout/failed": s.failed,
@@ -522,7 +523,7 @@ class PPOTrainer:
             "rollout/stale_dropped": s.stale_dropped,
             "rollout/stale_kept": s.stale_kept,
             "rollout/timed_out": s.timed_out,
-            "batch/data_ids": [i["data_id"] for i in infos],
+            "batch/data_ids": [i.data_id for i in infos],
         }
 
     def _trace_step(self, t0: float, t_batch: float, t_train: float, t_sync: float) -> None:
