@@ -32,6 +32,7 @@ from arl.control.staleness import StalenessSemaphore
 from arl.data.loader import StatefulLoader
 from arl.engines.spec import SERVER_ENGINES, engine_spec
 from arl.protocol.imports import resolve_import
+from arl.protocol.remote import TrainRanks
 from arl.protocol.report import GroupReport
 from arl.protocol.rtensor import RTensor, ShardRef
 from arl.stats.logger import StatsLogger
@@ -296,7 +297,7 @@ class PPOTrainer:
         self.rollout.start()
         self._open_progress(total)
         # The train ranks' one-time costs (and compilation) run while the first batch generates.
-        warm = asyncio.ensure_future(self._all("warm_up"))
+        warm = asyncio.ensure_future(self.ranks.warm_up())
         try:
             await self._loop(total, warm)
         finally:
@@ -352,20 +353,20 @@ class PPOTrainer:
         cfg = self.cfg
         t0 = time.monotonic()
         parts, _ = dispatch(batch, len(self.train_workers))
-        loaded = await self._all("load_batch", [[p.to_wire()] for p in parts])
+        loaded = await self.ranks.load_batch(parts)
         t1 = time.monotonic()
         if cfg.actor.use_decoupled_loss:
-            await self._all("compute_logp")
+            await self.ranks.compute_logp()
         if cfg.actor.kl_ctl > 0:
-            await self._all("compute_ref_logp")
+            await self.ranks.compute_ref_logp()
         t2 = time.monotonic()
-        await self._all("compute_advantages")
-        per_rank = await self._all("ppo_update")
-        await self._all("end_step")
+        await self.ranks.compute_advantages()
+        per_rank = await self.ranks.ppo_update()
+        await self.ranks.end_step()
         n = len(per_rank)
-        out = {f"train/{k}": sum(float(r[k]) for r in per_rank) / n for k in per_rank[0]}
-        out["batch/n_tokens"] = sum(r["n_tokens"] for r in loaded)
-        out["batch/n_seqs"] = sum(r["n_seqs"] for r in loaded)
+        out = {f"train/{k}": sum(r[k] for r in per_rank) / n for k in per_rank[0].values}
+        out["batch/n_tokens"] = sum(r.n_tokens for r in loaded)
+        out["batch/n_seqs"] = sum(r.n_seqs for r in loaded)
         # The phases of train_s: pulling and concatenating the shards, the log-prob passes
         # (proximal and reference), advantages plus the update.
         out["time/load_batch_s"] = t1 - t0
@@ -395,13 +396,12 @@ class PPOTrainer:
         local = [w for p, w in pairs if p.spec.engine not in SERVER_ENGINES]
         servers = [(p, w) for p, w in pairs if p.spec.engine in SERVER_ENGINES]
         if local:
-            want = (await self._all("weights_checksum"))[0]
+            want = (await self.ranks.weights_checksum())[0]
             got = await asyncio.gather(*(w.weights_checksum() for w in local))
             out.update({"sync/checksum_match": all(g == want for g in got), "sync/checksum": want})
         if servers:
             probe = await self._probe_tokens()
-            ranks = len(self.train_workers)
-            want_lp = (await self._all("score", [[probe]] * ranks))[0]
+            want_lp = (await self.ranks.score(probe))[0]
             got_lps = await asyncio.gather(*(w.score(probe) for _, w in servers))
             tol = self.cfg.weight_sync.verify_tolerance
             diffs = []
@@ -430,6 +430,11 @@ class PPOTrainer:
 
             self._probe = await asyncio.get_running_loop().run_in_executor(None, build)
         return self._probe
+
+    @property
+    def ranks(self) -> TrainRanks:
+        """Every train rank at once, through the typed `TrainWorkerAPI` calls."""
+        return TrainRanks(self._all, len(self.train_workers))
 
     async def _all(self, method: str, args: list[list] | None = None) -> list:
         """Call ``method`` on every train rank at once (they run collectives together), within
@@ -474,7 +479,7 @@ class PPOTrainer:
         """Export the policy as an HF folder loadable by from_pretrained."""
         path = self.cfg.run_path / "checkpoints" / f"step{self.step}"
         path.parent.mkdir(parents=True, exist_ok=True)
-        await self._all("save_hf", [[str(path)]] * len(self.train_workers))
+        await self.ranks.save_hf(str(path))
         return path
 
     async def save_recovery(self) -> None:
@@ -483,13 +488,11 @@ class PPOTrainer:
             step=self.step, version=self.version, rollout=self.rollout.state_dict()
         )
         async with self.saver.write(state) as path:
-            await self._all("save_state", [[str(path / "model")]] * len(self.train_workers))
+            await self.ranks.save_state(str(path / "model"))
 
     async def _restore(self, state: RecoveryState) -> None:
         log.warning("recovering from step %d (version %d)", state.step, state.version)
-        await self._all(
-            "load_state", [[str(state.path / "model"), state.step]] * len(self.train_workers)
-        )
+        await self.ranks.load_state(str(state.path / "model"), state.step)
         self.step, self.version = state.step, state.version
         self.rollout.load_state_dict(state.rollout)
         # The engines start from the original weights: sync the recovered ones in.
