@@ -392,7 +392,7 @@ class PPOTrainer:
         more). Raises `WeightSyncError` naming the engine that fails.
         """
         out: dict = {}
-        pairs = list(zip(self.cluster.rollout, self.rollout_workers, strict=True))
+        pairs = list(zip(self.cluster.rollout, self.rollout.workers, strict=True))
         local = [w for p, w in pairs if p.spec.engine not in SERVER_ENGINES]
         servers = [(p, w) for p, w in pairs if p.spec.engine in SERVER_ENGINES]
         if local:
@@ -463,12 +463,12 @@ class PPOTrainer:
     async def evaluate(self) -> dict:
         """Mean reward (accuracy for 0/1 rewards) on the held-out rows."""
         cfg = self.cfg.evaluator
-        n = len(self.rollout_workers)
+        n = len(self.rollout.workers)
         chunks = [self.eval_rows[i::n] for i in range(n)]
         scores = await asyncio.gather(
             *(
                 w.evaluate(chunk, cfg.n_samples, cfg.temperature)
-                for w, chunk in zip(self.rollout_workers, chunks, strict=True)
+                for w, chunk in zip(self.rollout.workers, chunks, strict=True)
                 if chunk
             )
         )

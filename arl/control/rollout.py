@@ -23,6 +23,7 @@ from arl.control.controller import BadReply, NodeLost, RemoteObject
 from arl.control.staleness import StalenessSemaphore, is_stale
 from arl.data.loader import StatefulLoader
 from arl.protocol.errors import ErrorKind, RemoteError
+from arl.protocol.remote import RolloutWorkerClient
 from arl.protocol.report import GroupReport, RejectedGroup, ReportError, report_from_wire
 from arl.protocol.rtensor import RTensor, ShardRef
 from arl.stats.trace import Tracer
@@ -77,14 +78,14 @@ class RolloutController:
     ):
         if not workers:
             raise ValueError("a RolloutController needs at least one rollout worker")
-        self.workers = workers
+        self.workers = [RolloutWorkerClient(w) for w in workers]
         self.loader, self.sem = loader, semaphore
         self.peers, self.free = peers, free
         self.stale_policy, self.accept = stale_policy, accept
         self.max_consecutive_failures = max_consecutive_failures
         self.max_consecutive_rejections = max_consecutive_rejections
         self.stats = RolloutStats()
-        self._inflight = {id(w): 0 for w in workers}
+        self._inflight = {id(w): 0 for w in self.workers}
         # Submission index -> finished group, or None for a failed/rejected one.
         self._done: dict[int, Finished | None] = {}
         self._loader_states: dict[int, dict] = {}  # loader position before each submission
@@ -157,7 +158,7 @@ class RolloutController:
             raise RolloutFailed(str(self._error)) from self._error
 
     # ---- submission -------------------------------------------------------------------------
-    def _least_loaded(self) -> RemoteObject:
+    def _least_loaded(self) -> RolloutWorkerClient:
         return min(self.workers, key=lambda w: self._inflight[id(w)])
 
     async def _submit_loop(self) -> None:
@@ -177,7 +178,7 @@ class RolloutController:
             task.add_done_callback(self._tasks.discard)
 
     async def _run_one(
-        self, worker: RemoteObject, index: int, key: str, row: dict, version: int
+        self, worker: RolloutWorkerClient, index: int, key: str, row: dict, version: int
     ) -> None:
         accepted = False
         result: Finished | None = None

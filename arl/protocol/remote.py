@@ -218,3 +218,107 @@ class TrainRanks:
     async def load_state(self, path: str, step: int) -> None:
         """Restore the state saved under ``path`` at ``step``."""
         await self.call("load_state", self._same(path, step))
+
+
+@runtime_checkable
+class RolloutWorkerAPI(Protocol):
+    """A rollout node's worker (``arl.node.rollout:RolloutWorker``), as the controller drives it."""
+
+    async def setup(self) -> dict:
+        """Load the engine and the workflow; returns the engine's health."""
+        ...
+
+    async def run_group(self, key: str, data: dict) -> dict:
+        """Run one prompt group into the shard store; returns its report's wire map."""
+        ...
+
+    async def evaluate(
+        self,
+        rows: list[dict],
+        n_samples: int = 1,
+        temperature: float = 0.0,
+        max_new_tokens: int | None = None,
+    ) -> list[float]:
+        """Mean reward per row under evaluation sampling."""
+        ...
+
+    async def pause(self) -> None:
+        """Interrupt generation (it continues after resume)."""
+        ...
+
+    async def resume(self) -> None:
+        """Let generation continue."""
+        ...
+
+    async def set_version(self, version: int) -> None:
+        """Stamp tokens generated from now on with ``version``."""
+        ...
+
+    async def weights_checksum(self) -> str:
+        """The engine's weight checksum."""
+        ...
+
+    async def score(self, token_ids: list[int]) -> list[float]:
+        """A server engine's log-probs of ``token_ids[1:]``."""
+        ...
+
+
+class RolloutWorkerClient:
+    """One rollout worker through `RolloutWorkerAPI`'s methods; ``remote`` is its handle (any
+    object with ``node`` and ``async call(method, *args)``, e.g. a RemoteObject)."""
+
+    api = RolloutWorkerAPI
+
+    def __init__(self, remote: Any):
+        self.remote, self.node = remote, remote.node
+        self._methods = api_methods(self.api)
+
+    def __repr__(self) -> str:
+        return f"RolloutWorkerClient({self.remote!r})"
+
+    async def call(self, method: str, *args: Any) -> Any:
+        """Run ``method`` of the API on the worker; other names are refused here."""
+        if method not in self._methods:
+            raise UnknownRemoteMethod(
+                f"{method!r} is not a method of {self.api.__name__}; it declares "
+                f"{sorted(self._methods)}"
+            )
+        return await self.remote.call(method, *args)
+
+    async def setup(self) -> dict:
+        """Load the engine and the workflow; returns the engine's health."""
+        return await self.call("setup")
+
+    async def run_group(self, key: str, data: dict) -> Any:
+        """The report's wire map (`arl.protocol.report.report_from_wire` checks it)."""
+        return await self.call("run_group", key, data)
+
+    async def evaluate(
+        self, rows: list[dict], n_samples: int = 1, temperature: float = 0.0
+    ) -> list[float]:
+        """Mean reward per row; raises StatsError unless it is one number per row."""
+        scores = await self.call("evaluate", rows, n_samples, temperature)
+        ok = isinstance(scores, list) and len(scores) == len(rows)
+        if not ok or not all(isinstance(s, int | float) for s in scores):
+            raise StatsError(f"evaluate must answer one number per row ({len(rows)}): {scores!r}")
+        return [float(s) for s in scores]
+
+    async def pause(self) -> None:
+        """Interrupt generation."""
+        await self.call("pause")
+
+    async def resume(self) -> None:
+        """Let generation continue."""
+        await self.call("resume")
+
+    async def set_version(self, version: int) -> None:
+        """Stamp new tokens with ``version``."""
+        await self.call("set_version", version)
+
+    async def weights_checksum(self) -> str:
+        """The engine's weight checksum."""
+        return str(await self.call("weights_checksum"))
+
+    async def score(self, token_ids: list[int]) -> list[float]:
+        """A server engine's log-probs of ``token_ids[1:]``."""
+        return await self.call("score", token_ids)

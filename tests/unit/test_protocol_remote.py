@@ -96,3 +96,41 @@ def test_malformed_rank_replies_are_refused_naming_the_entry(method, reply, why)
     with pytest.raises(StatsError) as info:
         decode(reply)
     assert why in str(info.value)
+
+
+class FakeHandle:
+    """What a RemoteObject offers the client: ``node`` and a method-name ``call``."""
+
+    node = "node0"
+
+    def __init__(self, answer):
+        self.answer, self.sent = answer, []
+
+    async def call(self, method, *args):
+        self.sent.append((method, args))
+        return self.answer
+
+
+def test_rollout_worker_satisfies_its_api_with_the_same_parameters() -> None:
+    from arl.node.rollout import RolloutWorker
+    from arl.protocol.remote import RolloutWorkerAPI
+
+    for name in api_methods(RolloutWorkerAPI):
+        declared = inspect.signature(getattr(RolloutWorkerAPI, name))
+        actual = inspect.signature(getattr(RolloutWorker, name))
+        assert list(declared.parameters) == list(actual.parameters), name
+        assert inspect.iscoroutinefunction(getattr(RolloutWorker, name)), name
+
+
+def test_rollout_client_refuses_unknown_methods_and_checks_scores() -> None:
+    from arl.protocol.remote import RolloutWorkerClient
+
+    handle = FakeHandle([1.0, 0])
+    client = RolloutWorkerClient(handle)
+    assert client.node == "node0"
+    with pytest.raises(UnknownRemoteMethod, match="'update_weight' is not a method"):
+        asyncio.run(client.call("update_weight"))
+    assert asyncio.run(client.evaluate([{}, {}])) == [1.0, 0.0]
+    assert handle.sent == [("evaluate", ([{}, {}], 1, 0.0))]
+    with pytest.raises(StatsError, match=r"one number per row \(3\)"):
+        asyncio.run(client.evaluate([{}, {}, {}]))
