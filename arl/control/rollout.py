@@ -111,6 +111,7 @@ class RolloutController:
         """Start submitting (idempotent)."""
         if self._loop_task is None:
             self._loop_task = asyncio.create_task(self._submit_loop(), name="arl-rollout-submit")
+            self._loop_task.add_done_callback(self._submit_loop_ended)
         if self._stall_task is None and self.stall_log_s:
             self._last_finish = time.monotonic()
             self._stall_task = asyncio.create_task(self._stall_watch(), name="arl-rollout-stall")
@@ -146,6 +147,13 @@ class RolloutController:
                 shown,
                 more,
             )
+
+    def _submit_loop_ended(self, task: asyncio.Task) -> None:
+        # An error in the loop itself (the loader, a bug) must stop rollout with that error:
+        # prepare_batch would otherwise wait for groups that are never submitted.
+        if not task.cancelled() and task.exception() is not None:
+            log.error("rollout submission stopped: %r", task.exception())
+            self._fail(task.exception())
 
     def _fail(self, exc: BaseException) -> None:
         if self._error is None:
