@@ -71,7 +71,7 @@ def recoverable(exc: BaseException) -> bool:
             return False
         if isinstance(seen, NodeLost | CallTimeout):
             return True
-        if getattr(seen, "type_name", "") == "ServerExited":  # a node's inference server died
+        if isinstance(seen, RemoteError) and seen.recoverable:  # e.g. its inference server died
             return True
         seen = seen.__cause__
     return False

@@ -27,11 +27,13 @@ from arl.control.cluster import Cluster
 from arl.control.controller import RemoteObject
 from arl.control.dispatch import dispatch
 from arl.control.rollout import RolloutController
-from arl.control.rtensor import RTensor, ShardRef
 from arl.control.staleness import StalenessSemaphore
 from arl.data.loader import StatefulLoader
 from arl.engines.spec import SERVER_ENGINES, engine_spec
 from arl.protocol.imports import resolve_import
+from arl.protocol.remote import TrainRanks
+from arl.protocol.report import GroupReport
+from arl.protocol.rtensor import RTensor, ShardRef
 from arl.stats.logger import StatsLogger
 from arl.stats.trace import Tracer
 from arl.weights import SyncContext, WeightSync, WeightSyncError, make_weight_sync
@@ -275,7 +277,7 @@ class PPOTrainer:
         self.rollout.start()
         self._open_progress(total)
         # The train ranks' one-time costs (and compilation) run while the first batch generates.
-        warm = asyncio.ensure_future(self._all("warm_up"))
+        warm = asyncio.ensure_future(self.ranks.warm_up())
         try:
             await self._loop(total, warm)
         finally:
@@ -331,20 +333,20 @@ class PPOTrainer:
         cfg = self.cfg
         t0 = time.monotonic()
         parts, _ = dispatch(batch, len(self.train_workers))
-        loaded = await self._all("load_batch", [[p.to_wire()] for p in parts])
+        loaded = await self.ranks.load_batch(parts)
         t1 = time.monotonic()
         if cfg.actor.use_decoupled_loss:
-            await self._all("compute_logp")
+            await self.ranks.compute_logp()
         if cfg.actor.kl_ctl > 0:
-            await self._all("compute_ref_logp")
+            await self.ranks.compute_ref_logp()
         t2 = time.monotonic()
-        await self._all("compute_advantages")
-        per_rank = await self._all("ppo_update")
-        await self._all("end_step")
+        await self.ranks.compute_advantages()
+        per_rank = await self.ranks.ppo_update()
+        await self.ranks.end_step()
         n = len(per_rank)
-        out = {f"train/{k}": sum(float(r[k]) for r in per_rank) / n for k in per_rank[0]}
-        out["batch/n_tokens"] = sum(r["n_tokens"] for r in loaded)
-        out["batch/n_seqs"] = sum(r["n_seqs"] for r in loaded)
+        out = {f"train/{k}": sum(r[k] for r in per_rank) / n for k in per_rank[0].values}
+        out["batch/n_tokens"] = sum(r.n_tokens for r in loaded)
+        out["batch/n_seqs"] = sum(r.n_seqs for r in loaded)
         # The phases of train_s: pulling and concatenating the shards, the log-prob passes
         # (proximal and reference), advantages plus the update.
         out["time/load_batch_s"] = t1 - t0
@@ -370,17 +372,16 @@ class PPOTrainer:
         more). Raises `WeightSyncError` naming the engine that fails.
         """
         out: dict = {}
-        pairs = list(zip(self.cluster.rollout, self.rollout_workers, strict=True))
+        pairs = list(zip(self.cluster.rollout, self.rollout.workers, strict=True))
         local = [w for p, w in pairs if p.spec.engine not in SERVER_ENGINES]
         servers = [(p, w) for p, w in pairs if p.spec.engine in SERVER_ENGINES]
         if local:
-            want = (await self._all("weights_checksum"))[0]
+            want = (await self.ranks.weights_checksum())[0]
             got = await asyncio.gather(*(w.weights_checksum() for w in local))
             out.update({"sync/checksum_match": all(g == want for g in got), "sync/checksum": want})
         if servers:
             probe = await self._probe_tokens()
-            ranks = len(self.train_workers)
-            want_lp = (await self._all("score", [[probe]] * ranks))[0]
+            want_lp = (await self.ranks.score(probe))[0]
             got_lps = await asyncio.gather(*(w.score(probe) for _, w in servers))
             tol = self.cfg.weight_sync.verify_tolerance
             diffs = []
@@ -410,6 +411,11 @@ class PPOTrainer:
             self._probe = await asyncio.get_running_loop().run_in_executor(None, build)
         return self._probe
 
+    @property
+    def ranks(self) -> TrainRanks:
+        """Every train rank at once, through the typed `TrainWorkerAPI` calls."""
+        return TrainRanks(self._all, len(self.train_workers))
+
     async def _all(self, method: str, args: list[list] | None = None) -> list:
         """Call ``method`` on every train rank at once (they run collectives together), within
         ``actor.call_timeout``."""
@@ -437,12 +443,12 @@ class PPOTrainer:
     async def evaluate(self) -> dict:
         """Mean reward (accuracy for 0/1 rewards) on the held-out rows."""
         cfg = self.cfg.evaluator
-        n = len(self.rollout_workers)
+        n = len(self.rollout.workers)
         chunks = [self.eval_rows[i::n] for i in range(n)]
         scores = await asyncio.gather(
             *(
                 w.evaluate(chunk, cfg.n_samples, cfg.temperature)
-                for w, chunk in zip(self.rollout_workers, chunks, strict=True)
+                for w, chunk in zip(self.rollout.workers, chunks, strict=True)
                 if chunk
             )
         )
@@ -453,7 +459,7 @@ class PPOTrainer:
         """Export the policy as an HF folder loadable by from_pretrained."""
         path = self.cfg.run_path / "checkpoints" / f"step{self.step}"
         path.parent.mkdir(parents=True, exist_ok=True)
-        await self._all("save_hf", [[str(path)]] * len(self.train_workers))
+        await self.ranks.save_hf(str(path))
         return path
 
     async def save_recovery(self) -> None:
@@ -462,13 +468,11 @@ class PPOTrainer:
             step=self.step, version=self.version, rollout=self.rollout.state_dict()
         )
         async with self.saver.write(state) as path:
-            await self._all("save_state", [[str(path / "model")]] * len(self.train_workers))
+            await self.ranks.save_state(str(path / "model"))
 
     async def _restore(self, state: RecoveryState) -> None:
         log.warning("recovering from step %d (version %d)", state.step, state.version)
-        await self._all(
-            "load_state", [[str(state.path / "model"), state.step]] * len(self.train_workers)
-        )
+        await self.ranks.load_state(str(state.path / "model"), state.step)
         self.step, self.version = state.step, state.version
         self.rollout.load_state_dict(state.rollout)
         # The engines start from the original weights: sync the recovered ones in.
@@ -481,19 +485,19 @@ class PPOTrainer:
         prefixes = tuple(self.cfg.cluster.allowed_import_prefixes)
         return resolve_import(self.cfg.rollout.filter, prefixes)
 
-    def _rollout_metrics(self, infos: list[dict]) -> dict:
-        rewards = [r for i in infos for r in i.get("episode_rewards", i["rewards"])]
-        staleness = [self.version - 1 - i["min_version"] for i in infos]
+    def _rollout_metrics(self, infos: list[GroupReport]) -> dict:
+        rewards = [r for i in infos for r in i.episode_rewards]
+        staleness = [self.version - 1 - i.min_version for i in infos]
         s = self.rollout.stats
         return {
             "rollout/reward_mean": sum(rewards) / max(1, len(rewards)),
             "rollout/accuracy": sum(r > 0 for r in rewards) / max(1, len(rewards)),
-            "rollout/gen_tokens": sum(i["n_gen_tokens"] for i in infos),
+            "rollout/gen_tokens": sum(i.n_gen_tokens for i in infos),
             "rollout/staleness": staleness,
             "rollout/staleness_max": max(staleness, default=0),
             # Groups whose tokens come from more than one policy version (a sync interrupted
             # them and they went on under the new weights).
-            "rollout/version_switches": sum(i["max_version"] > i["min_version"] for i in infos),
+            "rollout/version_switches": sum(i.max_version > i.min_version for i in infos),
             "rollout/submitted": s.submitted,
             "rollout/accepted": s.accepted,
             "rollout/failed": s.failed,
@@ -502,7 +506,7 @@ class PPOTrainer:
             "rollout/stale_dropped": s.stale_dropped,
             "rollout/stale_kept": s.stale_kept,
             "rollout/timed_out": s.timed_out,
-            "batch/data_ids": [i["data_id"] for i in infos],
+            "batch/data_ids": [i.data_id for i in infos],
         }
 
     def _trace_step(self, t0: float, t_batch: float, t_train: float, t_sync: float) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 import zmq
 
+from arl.protocol.errors import RemoteError, error_payload
 from arl.protocol.stall import watchdog_identity
 from arl.wire.codec import (
     Message,
@@ -38,17 +39,6 @@ from arl.wire.codec import (
 from arl.wire.sockets import Authenticator, Security, bind_tcp, make_socket, new_secret
 
 log = logging.getLogger("arl.controller")
-
-
-class RemoteError(RuntimeError):
-    """An exception raised on a node, re-raised on the caller with the remote traceback."""
-
-    def __init__(self, node: str, method: str, type_name: str, message: str, tb: str):
-        self.node, self.method = node, method
-        self.type_name, self.remote_message, self.remote_traceback = type_name, message, tb
-        super().__init__(
-            f"{type_name} on node {node} in {method}: {message}\n--- remote traceback ---\n{tb}"
-        )
 
 
 class NodeLost(RuntimeError):
@@ -304,8 +294,6 @@ class Controller:
                     await self._reply_err(identity, msg.id, e)
 
     async def _reply_err(self, identity: bytes, mid: int, e: Exception) -> None:
-        from arl.node.daemon import error_payload
-
         try:
             await self._send(identity, Message("err", mid, "", error_payload(e)))
         except Exception:
@@ -339,16 +327,7 @@ class Controller:
             if msg.op == "ok":
                 fut.set_result(msg.args)
             else:
-                a = msg.args if isinstance(msg.args, dict) else {}
-                fut.set_exception(
-                    RemoteError(
-                        node_id,
-                        method,
-                        str(a.get("type", "Error")),
-                        str(a.get("message", "")),
-                        str(a.get("traceback", "")),
-                    )
-                )
+                fut.set_exception(RemoteError.from_payload(node_id, method, msg.args))
         elif msg.op == "hb":
             node.blocked_in = ""  # its loop runs again
             if isinstance(msg.args, dict):

@@ -12,7 +12,7 @@ import bisect
 import heapq
 from collections.abc import Sequence
 
-from arl.control.rtensor import RTensor
+from arl.protocol.rtensor import RTensor
 
 
 def split_balanced(n_tokens: Sequence[int], n_ranks: int) -> list[list[int]]:

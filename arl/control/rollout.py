@@ -19,10 +19,13 @@ from typing import Any
 
 import attrs
 
-from arl.control.controller import BadReply, NodeLost, RemoteError, RemoteObject
-from arl.control.rtensor import RTensor, RTensorError, ShardRef
+from arl.control.controller import BadReply, NodeLost, RemoteObject
 from arl.control.staleness import StalenessSemaphore, is_stale
 from arl.data.loader import StatefulLoader
+from arl.protocol.errors import ErrorKind, RemoteError
+from arl.protocol.remote import RolloutWorkerClient
+from arl.protocol.report import GroupReport, RejectedGroup, ReportError, report_from_wire
+from arl.protocol.rtensor import RTensor, ShardRef
 from arl.stats.trace import Tracer
 
 log = logging.getLogger("arl.rollout")
@@ -37,7 +40,7 @@ class Finished:
     """One accepted prompt group: where its shard is and what the node reported."""
 
     ref: ShardRef
-    info: dict
+    info: GroupReport
     submitted_version: int
 
 
@@ -68,21 +71,21 @@ class RolloutController:
         peers: dict[str, str],
         free: Callable[[list[ShardRef]], Any],
         stale_policy: str = "keep",
-        accept: Callable[[dict], bool] | None = None,
+        accept: Callable[[GroupReport], bool] | None = None,
         max_consecutive_failures: int = 16,
         max_consecutive_rejections: int = 256,
         stall_log_s: float | None = 60.0,
     ):
         if not workers:
             raise ValueError("a RolloutController needs at least one rollout worker")
-        self.workers = workers
+        self.workers = [RolloutWorkerClient(w) for w in workers]
         self.loader, self.sem = loader, semaphore
         self.peers, self.free = peers, free
         self.stale_policy, self.accept = stale_policy, accept
         self.max_consecutive_failures = max_consecutive_failures
         self.max_consecutive_rejections = max_consecutive_rejections
         self.stats = RolloutStats()
-        self._inflight = {id(w): 0 for w in workers}
+        self._inflight = {id(w): 0 for w in self.workers}
         # Submission index -> finished group, or None for a failed/rejected one.
         self._done: dict[int, Finished | None] = {}
         self._loader_states: dict[int, dict] = {}  # loader position before each submission
@@ -108,6 +111,7 @@ class RolloutController:
         """Start submitting (idempotent)."""
         if self._loop_task is None:
             self._loop_task = asyncio.create_task(self._submit_loop(), name="arl-rollout-submit")
+            self._loop_task.add_done_callback(self._submit_loop_ended)
         if self._stall_task is None and self.stall_log_s:
             self._last_finish = time.monotonic()
             self._stall_task = asyncio.create_task(self._stall_watch(), name="arl-rollout-stall")
@@ -144,6 +148,13 @@ class RolloutController:
                 more,
             )
 
+    def _submit_loop_ended(self, task: asyncio.Task) -> None:
+        # An error in the loop itself (the loader, a bug) must stop rollout with that error:
+        # prepare_batch would otherwise wait for groups that are never submitted.
+        if not task.cancelled() and task.exception() is not None:
+            log.error("rollout submission stopped: %r", task.exception())
+            self._fail(task.exception())
+
     def _fail(self, exc: BaseException) -> None:
         if self._error is None:
             self._error = exc
@@ -155,7 +166,7 @@ class RolloutController:
             raise RolloutFailed(str(self._error)) from self._error
 
     # ---- submission -------------------------------------------------------------------------
-    def _least_loaded(self) -> RemoteObject:
+    def _least_loaded(self) -> RolloutWorkerClient:
         return min(self.workers, key=lambda w: self._inflight[id(w)])
 
     async def _submit_loop(self) -> None:
@@ -175,19 +186,19 @@ class RolloutController:
             task.add_done_callback(self._tasks.discard)
 
     async def _run_one(
-        self, worker: RemoteObject, index: int, key: str, row: dict, version: int
+        self, worker: RolloutWorkerClient, index: int, key: str, row: dict, version: int
     ) -> None:
         accepted = False
         result: Finished | None = None
         try:
             with self.tracer.span(worker.node.node_id, "generate", key=key, v=version) as span:
-                info = await worker.run_group(key, row)
-                ref = check_group_report(info, worker.node.node_id, key)
-                span["tokens"] = info.get("n_gen_tokens", 0)
+                reply = await worker.run_group(key, row)
+                info, ref = check_group_report(reply, worker.node.node_id, key)
+                span["tokens"] = 0 if ref is None else info.n_gen_tokens
             self._consecutive_failures = 0
-            self.stats.rejected_samples += int(info.get("failed_samples", 0))
+            self.stats.rejected_samples += info.failed_samples
             if ref is None:  # the workflow rejected the row: no shard was stored
-                self._reject(key, f"the workflow rejected it: {info['reason']}")
+                self._reject(key, f"the workflow rejected it: {info.reason}")
                 return
             if not self._accepts(key, info):
                 await self.free([ref])
@@ -203,11 +214,11 @@ class RolloutController:
             log.error("rollout of %s stopped: %s", key, e)
             self._fail(e)
         except RemoteError as e:
-            if e.type_name == "ServerExited":  # the node's inference server died: it is leaving
+            if e.kind is ErrorKind.SERVER_EXITED:  # the node's inference server died: it leaves
                 self._fail(e)
                 return
             self.stats.failed += 1
-            self.stats.timed_out += e.type_name == "GroupTimeout"
+            self.stats.timed_out += e.kind is ErrorKind.GROUP_TIMEOUT
             self._consecutive_failures += 1
             log.warning(
                 "rollout of %s on %s failed: %s: %s",
@@ -234,7 +245,7 @@ class RolloutController:
             self._changed.set()
             self.sem.release(accepted)
 
-    def _accepts(self, key: str, info: dict) -> bool:
+    def _accepts(self, key: str, info: GroupReport) -> bool:
         """The filter's verdict on a finished group; a rejection is counted (and bounded)."""
         if self.accept is None:
             return True
@@ -242,10 +253,16 @@ class RolloutController:
         try:
             ok = bool(self.accept(info))
         except Exception as e:  # user code: stop rollout with its error, not a silent hang
-            self._fail(RuntimeError(f"rollout filter {name} raised on {key}: {e!r}"))
+            self._fail(
+                RuntimeError(
+                    f"rollout filter {name} raised on {key}: {e!r} (a filter receives an "
+                    "arl.protocol.report.GroupReport: read its attributes, e.g. "
+                    "info.episode_rewards)"
+                )
+            )
             return False
         if not ok:
-            rewards = info.get("episode_rewards", info["rewards"])
+            rewards = list(info.episode_rewards)
             self._reject(key, f"rollout filter {name} rejected it (rewards {rewards})")
         return ok
 
@@ -266,7 +283,9 @@ class RolloutController:
             )
 
     # ---- consumption ------------------------------------------------------------------------
-    async def prepare_batch(self, batch_size: int, version: int) -> tuple[RTensor, list[dict]]:
+    async def prepare_batch(
+        self, batch_size: int, version: int
+    ) -> tuple[RTensor, list[GroupReport]]:
         """Wait for ``batch_size`` accepted groups (oldest first) fit for training at ``version``.
 
         A group whose oldest token is more than eta versions behind ``version`` is dropped (its
@@ -290,7 +309,7 @@ class RolloutController:
             if item is None:
                 continue
             self._accepted_taken += 1
-            oldest = item.info["min_version"]
+            oldest = item.info.min_version
             if oldest >= 0 and is_stale(oldest, version, eta):
                 if self.stale_policy == "drop":
                     self.stats.stale_dropped += 1
@@ -343,41 +362,18 @@ class RolloutController:
         self._accepted_taken = int(state["sem"]["accepted"])
 
 
-_NUMBER = (int, float)
-
-
-def check_group_report(info: Any, node: str, key: str) -> ShardRef | None:
-    """The shard ref of a finished group's report (None for a group the workflow rejected);
-    raises `BadReply` naming what is missing or wrong, so that a reply of the wrong shape
-    fails visibly instead of as a KeyError somewhere later."""
-
-    def bad(why: str) -> BadReply:
-        return BadReply(node, f"rollout.run_group({key!r})", why)
-
-    if not isinstance(info, dict):
-        raise bad(f"expected a map, got {type(info).__name__}")
-    if info.get("key") != key:
-        raise bad(f"it is for group {info.get('key')!r}")
-    if info.get("rejected"):
-        if not isinstance(info.get("reason"), str):
-            raise bad("a rejected group needs a text 'reason'")
-        return None
-    for name, kind in (("group_size", int), ("n_gen_tokens", int), ("min_version", int)):
-        if not isinstance(info.get(name), kind) or isinstance(info.get(name), bool):
-            raise bad(f"{name!r} must be an integer, got {info.get(name)!r}")
-    for name in ("rewards", *(("episode_rewards",) if "episode_rewards" in info else ())):
-        values = info.get(name)
-        if not isinstance(values, list) or not all(isinstance(r, _NUMBER) for r in values):
-            raise bad(f"{name!r} must be a list of numbers")
-    if "data_id" not in info:
-        raise bad("'data_id' is missing")
-    meta = info.get("meta")
-    if not isinstance(meta, dict):
-        raise bad(f"'meta' must be a map, got {type(meta).__name__}")
+def check_group_report(
+    reply: Any, node: str, key: str
+) -> tuple[GroupReport, ShardRef] | tuple[RejectedGroup, None]:
+    """A ``run_group`` reply as its report, with the shard ref (None for a group the workflow
+    rejected); raises `BadReply` naming what is missing or wrong, so that a reply of the wrong
+    shape fails visibly instead of as an error somewhere later."""
     try:
-        ref = ShardRef.from_wire({**meta, "node": node, "group_size": info["group_size"]})
-    except RTensorError as e:
-        raise bad(f"'meta': {e}") from None
-    if ref.key != key:
-        raise bad(f"its shard is {ref.key!r}")
-    return ref
+        info = report_from_wire(reply)
+        if info.key != key:
+            raise ReportError(f"it is for group {info.key!r}")
+        if isinstance(info, RejectedGroup):
+            return info, None
+        return info, info.shard_ref(node)
+    except ReportError as e:
+        raise BadReply(node, f"rollout.run_group({key!r})", str(e)) from None

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, TypeVar
 import aiohttp
 
 from arl.process import OwnedProcess, spawn
+from arl.protocol.errors import ErrorKind
 from arl.wire.addresses import free_port as free_port  # re-exported for the server engines
 
 if TYPE_CHECKING:
@@ -55,6 +56,8 @@ class ServerExited(ServerError):
     The message names the server, its pid and exit status, and ends with the last lines of its
     log. Every request in flight when it exited, and every later one, raises it.
     """
+
+    error_kind = ErrorKind.SERVER_EXITED
 
 
 class ServerProcess:

@@ -34,12 +34,12 @@ import socket
 import sys
 import threading
 import time
-import traceback
 from typing import Any
 
 import zmq
 
 from arl.event_loop import run_loop
+from arl.protocol.errors import error_payload
 from arl.protocol.imports import ImportRefused as ImportRefused  # re-exported for callers
 from arl.protocol.imports import resolve_import
 from arl.protocol.stall import stall_report, watchdog_identity
@@ -60,15 +60,6 @@ DEFAULT_PREFIXES = ("arl.",)
 
 
 _TICK_S = 0.1
-
-
-def error_payload(exc: BaseException) -> dict:
-    """The ``err`` reply body: the exception's type, message and formatted traceback."""
-    return {
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(exc)),
-    }
 
 
 class NodeDaemon:

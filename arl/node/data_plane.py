@@ -26,7 +26,6 @@ from typing import Any
 import torch
 import zmq
 
-from arl.control.rtensor import RTensor, ShardRef, is_wire_rtensor
 from arl.node.shard_store import (
     ShardMeta,
     ShardNotFound,
@@ -36,6 +35,7 @@ from arl.node.shard_store import (
     map_segment,
     sweep_orphans,
 )
+from arl.protocol.rtensor import RTensor, ShardRef, is_wire_rtensor
 from arl.wire.codec import Message, WireError, decode_message, encode_message, peek_id
 from arl.wire.sockets import LoopSocket, Security, host_id, make_socket
 

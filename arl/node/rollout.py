@@ -21,8 +21,16 @@ import torch
 
 from arl.engines.base import SamplingParams
 from arl.engines.spec import EngineSpec, build_engine
+from arl.protocol.errors import ErrorKind
 from arl.protocol.imports import ImportRefused, resolve_import
-from arl.workflows.base import TRAJECTORY_KEYS, EpisodeRejected, group_score
+from arl.protocol.report import (
+    SAMPLE_TEXT_CHARS,
+    GroupReport,
+    RejectedGroup,
+    ReportError,
+    Trajectory,
+)
+from arl.workflows.base import EpisodeRejected
 
 log = logging.getLogger("arl.rollout")
 
@@ -35,6 +43,8 @@ def data_id(row: dict) -> str:
 
 class GroupTimeout(TimeoutError):
     """A prompt group ran longer than ``rollout.group_timeout``; it was cancelled and dropped."""
+
+    error_kind = ErrorKind.GROUP_TIMEOUT
 
 
 class RolloutWorker:
@@ -159,47 +169,33 @@ class RolloutWorker:
             ) from None
         if group is None:
             return self._rejected(key, data, "the workflow returned None", 0, t0)
-        texts = group.pop("_texts", [])
-        shard = {k: v for k, v in group.items() if not k.startswith("_")}  # _x stays here
-        missing = [k for k in TRAJECTORY_KEYS if k not in shard]
-        if missing:
-            raise KeyError(f"{self.workflow_target} returned a group without {missing}")
+        try:
+            traj = Trajectory.of(group)
+        except ReportError as e:
+            raise ReportError(f"{self.workflow_target}: {e}") from None
+        shard = traj.tensors
         meta = self.node.store.put(key, shard)
         self.groups_done += 1
         gen = shard["loss_mask"]
         versions = shard["versions"][gen]
-        return {
-            "key": key,
-            "meta": meta.to_wire(),
-            "group_size": int(shard["rewards"].numel()),
-            "rewards": shard["rewards"].tolist(),
-            "n_gen_tokens": int(gen.sum()),
-            "min_version": int(versions.min()) if versions.numel() else -1,
-            "max_version": int(versions.max()) if versions.numel() else -1,
-            "seconds": time.monotonic() - t0,
-            "data_id": data_id(data),
-            "sample_text": texts[0][:500] if texts else "",
-            "episode_rewards": list(group.get("_episode_rewards", shard["rewards"].tolist())),
-            "failed_samples": int(group.get("_failed_samples", 0)),
-        }
+        return GroupReport(
+            key=key,
+            meta=meta.to_wire(),
+            group_size=int(shard["rewards"].numel()),
+            rewards=shard["rewards"].tolist(),
+            episode_rewards=traj.rewards(),
+            n_gen_tokens=int(gen.sum()),
+            min_version=int(versions.min()) if versions.numel() else -1,
+            max_version=int(versions.max()) if versions.numel() else -1,
+            seconds=time.monotonic() - t0,
+            data_id=data_id(data),
+            sample_text=traj.texts[0][:SAMPLE_TEXT_CHARS] if traj.texts else "",
+            failed_samples=traj.failed_samples,
+        ).to_wire()
 
     def _rejected(self, key: str, data: dict, reason: str, failed: int, t0: float) -> dict:
         """The answer for a row the workflow rejected: no shard, the reason and counts."""
-        return {
-            "key": key,
-            "rejected": True,
-            "reason": reason,
-            "failed_samples": failed,
-            "group_size": 0,
-            "rewards": [],
-            "episode_rewards": [],
-            "n_gen_tokens": 0,
-            "min_version": -1,
-            "max_version": -1,
-            "seconds": time.monotonic() - t0,
-            "data_id": data_id(data),
-            "sample_text": "",
-        }
+        return RejectedGroup(key, reason, failed, time.monotonic() - t0, data_id(data)).to_wire()
 
     async def evaluate(
         self,
@@ -222,7 +218,10 @@ class RolloutWorker:
         for g in groups:  # a rejected row scores 0; any other error is raised
             if isinstance(g, BaseException) and not isinstance(g, EpisodeRejected):
                 raise g
-        return [0.0 if isinstance(g, EpisodeRejected) else group_score(g) for g in groups]
+        return [
+            0.0 if isinstance(g, EpisodeRejected) or g is None else Trajectory.of(g).score()
+            for g in groups
+        ]
 
     # ---- engine control (weight sync) -------------------------------------------------------
     async def pause(self) -> None:

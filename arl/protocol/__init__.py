@@ -1,1 +1,5 @@
-"""What crosses a process boundary and is shared by both sides (DESIGN §9): the import rule."""
+"""What crosses a process boundary, shared by both sides (DESIGN §9).
+
+rtensor (shard refs, batches), report (group reports, trajectories), errors (the remote error
+table), remote (typed worker interfaces), imports (the import rule), stall (stall reports).
+"""

@@ -21,6 +21,8 @@ import types
 from collections.abc import Iterable
 from typing import Any
 
+from arl.protocol.errors import ErrorKind
+
 RULE = (
     "an import string resolves only to an object defined in a module under "
     "cluster.allowed_import_prefixes (whole dotted components, no walking into other modules)"
@@ -29,6 +31,8 @@ RULE = (
 
 class ImportRefused(PermissionError):
     """An import string that the import rule refuses (the message names the string and why)."""
+
+    error_kind = ErrorKind.IMPORT_REFUSED
 
 
 def normalize_prefixes(prefixes: Iterable[str]) -> tuple[str, ...]:

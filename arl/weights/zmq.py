@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from arl.control.rtensor import RTensor, ShardRef
+from arl.protocol.rtensor import RTensor, ShardRef
 from arl.weights.base import NodePart, WeightSync, require_inprocess_engines
 
 if TYPE_CHECKING:

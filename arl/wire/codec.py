@@ -18,6 +18,8 @@ import attrs
 import msgpack
 import torch
 
+from arl.protocol.errors import ErrorKind
+
 PROTOCOL_VERSION = 1
 OPS = frozenset({"call", "ok", "err", "event", "hello", "hb", "bye"})
 
@@ -54,6 +56,8 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 class WireError(ValueError):
     """A message that does not follow the arl wire format."""
+
+    error_kind = ErrorKind.MALFORMED
 
 
 def dtype_name(dtype: torch.dtype) -> str:

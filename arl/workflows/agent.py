@@ -24,6 +24,7 @@ from arl.agent.chat_format import ChatFormat
 from arl.agent.client import ChatClient
 from arl.agent.trajectory import STYLES, episode_rows, immediate_rewards, pack_rows
 from arl.engines.base import Engine, SamplingParams
+from arl.protocol.report import Trajectory
 from arl.workflows.base import EpisodeRejected
 
 log = logging.getLogger("arl.agent")
@@ -74,7 +75,7 @@ class AgentWorkflow:
         data: dict[str, Any],
         sampling: SamplingParams | None = None,
         n_samples: int | None = None,
-    ) -> dict:
+    ) -> Trajectory:
         """One prompt group: ``n_samples`` agent episodes packed as rows (plus ``turn_ids``)."""
         n = n_samples or self.n_samples
         outcomes = await asyncio.gather(
@@ -89,11 +90,12 @@ class AgentWorkflow:
                 failed_samples=len(errors),
             )
         rows = [row for rows, _, _ in episodes for row in rows]
-        group = pack_rows(rows)
-        group["_texts"] = [text for _, _, text in episodes]
-        group["_episode_rewards"] = [reward for _, reward, _ in episodes]
-        group["_failed_samples"] = len(errors)
-        return group
+        return Trajectory(
+            pack_rows(rows),
+            texts=[text for _, _, text in episodes],
+            episode_rewards=[reward for _, reward, _ in episodes],
+            failed_samples=len(errors),
+        )
 
     async def _episode(
         self, engine: Engine, data: dict[str, Any], sampling: SamplingParams, i: int

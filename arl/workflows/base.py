@@ -3,8 +3,10 @@
 A workflow runs on a rollout node, next to its engine; the node builds it as a `WorkflowFactory`
 (the class named by ``rollout.workflow``) and calls ``arun_episode`` for training with the
 workflow's own sampling and group size, and for evaluation with the evaluator's. It returns a
-prompt group as a dict of tensors (the layout below), or rejects the row by returning ``None``
-or raising `EpisodeRejected`. Every tensor is right-padded to the group's longest sequence:
+prompt group as a `Trajectory` (arl.protocol.report) holding a dict of tensors (the layout below)
+and the side data that stays on the node, or a plain dict of those tensors; it rejects the row by
+returning ``None`` or raising `EpisodeRejected`. Every tensor is right-padded to the group's
+longest sequence:
 
 - ``input_ids`` int64 [n, L], ``attention_mask`` bool [n, L]
 - ``loss_mask`` bool [n, L]: True on generated tokens
@@ -12,9 +14,9 @@ or raising `EpisodeRejected`. Every tensor is right-padded to the group's longes
 - ``versions`` int32 [n, L]: policy version that produced token t (-1 on the prompt)
 - ``rewards`` float32 [n]
 
-Other tensors (``turn_ids`` of agent workflows) travel with the shard; keys starting with ``_``
-stay on the node: ``_texts`` (for logs), ``_episode_rewards`` and ``_failed_samples`` (when rows
-are not episodes, as with multi-turn agents).
+Other tensors (``turn_ids`` of agent workflows) travel with the shard. The trajectory's side data
+stays on the node: ``texts`` (for logs), ``episode_rewards`` and ``failed_samples`` (when rows are
+not episodes, as with multi-turn agents).
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from arl.engines.base import Engine, SamplingParams
-
-TRAJECTORY_KEYS = ("input_ids", "attention_mask", "loss_mask", "logprobs", "versions", "rewards")
+from arl.protocol.report import TRAJECTORY_KEYS as TRAJECTORY_KEYS  # the layout's keys
+from arl.protocol.report import Trajectory
 
 
 class EpisodeRejected(Exception):
@@ -37,14 +39,9 @@ class EpisodeRejected(Exception):
         self.failed_samples = failed_samples
 
 
-def group_score(group: dict | None) -> float:
+def group_score(group: Trajectory | dict | None) -> float:
     """Mean episode reward of a group (failed episodes count 0; a rejected group scores 0)."""
-    if group is None:
-        return 0.0
-    if "_episode_rewards" not in group:
-        return float(torch.as_tensor(group["rewards"]).float().mean())
-    rewards = [float(r) for r in group["_episode_rewards"]]
-    return sum(rewards) / max(1, len(rewards) + int(group.get("_failed_samples", 0)))
+    return 0.0 if group is None else Trajectory.of(group).score()
 
 
 @runtime_checkable
@@ -57,7 +54,7 @@ class Workflow(Protocol):
         data: dict[str, Any],
         sampling: SamplingParams | None = None,
         n_samples: int | None = None,
-    ) -> dict | None:
+    ) -> Trajectory | dict | None:
         """Run one prompt group of ``n_samples`` episodes under ``sampling`` (None: the
         workflow's own; evaluation passes its greedy sampling); ``None`` rejects the row."""
         ...

@@ -14,6 +14,7 @@ from typing import Any
 
 from arl.agent.chat_format import PromptTooLong as PromptTooLong  # raised here, re-exported
 from arl.engines.base import Engine, SamplingParams, generate_to_completion
+from arl.protocol.report import Trajectory
 from arl.workflows.base import pack_group
 
 RewardFn = Callable[[str, dict[str, Any]], Awaitable[float]]
@@ -68,8 +69,8 @@ class RLVRWorkflow:
         data: dict[str, Any],
         sampling: SamplingParams | None = None,
         n_samples: int | None = None,
-    ) -> dict:
-        """One prompt group as padded tensors (see `arl.workflows.base`)."""
+    ) -> Trajectory:
+        """One prompt group as padded tensors (see `arl.workflows.base`), with its texts."""
         sampling = sampling or self.sampling
         n = n_samples or self.n_samples
         prompt = self.prompt_ids(data)
@@ -85,5 +86,4 @@ class RLVRWorkflow:
             [r.versions for r in results],
             [float(x) for x in rewards],
         )
-        group["_texts"] = texts  # kept out of the shard by the worker; for logs and evaluation
-        return group
+        return Trajectory(group, texts=texts)  # texts stay on the node: for logs

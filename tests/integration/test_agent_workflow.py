@@ -64,10 +64,11 @@ def test_two_turn_tool_conversation_becomes_the_expected_trajectories(tool_model
     full, (answer1, answer2) = conversation_ids(ChatFormat(tok))
     # concat: each episode is one row, the whole conversation (prompt, the model's tool call,
     # the tool's "42", the final answer), trained on the two answers only.
-    concat = groups["concat"]
+    concat = groups["concat"].tensors
     assert concat["input_ids"].shape == (2, len(full))
-    assert concat["_texts"] == [FINAL, FINAL]  # the final answer, scored by the reward
-    assert concat["rewards"].tolist() == [1.0, 1.0] and concat["_episode_rewards"] == [1.0, 1.0]
+    assert groups["concat"].texts == (FINAL, FINAL)  # the final answer, scored by the reward
+    assert concat["rewards"].tolist() == [1.0, 1.0]
+    assert groups["concat"].episode_rewards == (1.0, 1.0)
     for i in range(2):
         assert concat["input_ids"][i].tolist() == full
         lm, turns = concat["loss_mask"][i], concat["turn_ids"][i]
@@ -77,9 +78,9 @@ def test_two_turn_tool_conversation_becomes_the_expected_trajectories(tool_model
         text = tok.decode(concat["input_ids"][i].tolist())
         assert CALL in text and "<|im_start|>tool\n42<|im_end|>" in text
     # individual: one row per completion; the first turn's reward is discounted once.
-    ind = groups["individual"]
+    ind = groups["individual"].tensors
     assert ind["rewards"].tolist() == [0.5, 1.0, 0.5, 1.0]
-    assert ind["_episode_rewards"] == [1.0, 1.0]
+    assert groups["individual"].episode_rewards == (1.0, 1.0)
     first = ind["input_ids"][0][ind["attention_mask"][0]].tolist()
     assert first == full[: len(first)] and first[-len(answer1) :] == answer1
     assert ind["input_ids"][1][ind["loss_mask"][1]].tolist() == answer2
@@ -155,8 +156,8 @@ def test_failing_agents_and_filters_are_counted_and_never_stall_rollout(tiny):
     assert "always_fails: broken agent" in direct["reason"]
 
     assert len(batch.refs) == 2
-    assert [i["group_size"] for i in infos] == [1, 1]
-    assert [i["failed_samples"] for i in infos] == [1, 1]
+    assert [i.group_size for i in infos] == [1, 1]
+    assert [i.failed_samples for i in infos] == [1, 1]
     assert goes_on.stats.rejected_samples >= 2 and goes_on.stats.rejected == 0
 
     assert "3 prompt groups in a row were rejected" in str(filtered.value)

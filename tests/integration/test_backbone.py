@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from arl.control.controller import NodeLost, RemoteError
+from arl.control.controller import NodeLost
+from arl.protocol.errors import RemoteError
 from tests.support.cluster import local_cluster
 
 DTYPES = [

@@ -12,9 +12,9 @@ import torch
 import zmq
 import zmq.asyncio
 
-from arl.control.rtensor import RTensor, ShardRef
 from arl.node.data_plane import DataPlaneClient, DataPlaneServer, ShardUnavailable, plan_chunks
 from arl.node.shard_store import ShardStore, sweep_orphans
+from arl.protocol.rtensor import RTensor, ShardRef
 from arl.wire.sockets import Authenticator, Security, bind_tcp, make_socket, new_secret
 
 # Shared verbatim with the owner subprocess, so both sides build the same tensors.

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from arl.config import Config, ConfigError, apply_overrides
-from arl.control.controller import RemoteError
 from arl.node.daemon import ImportRefused
+from arl.protocol.errors import ErrorKind, RemoteError
 from arl.trainer import load_rows
 from tests.support.cluster import local_cluster
 
@@ -115,7 +115,7 @@ def test_rollout_node_refuses_workflow_and_reward_outside_its_prefixes(armed, tm
 
     errors = asyncio.run(main())
     for what, err in errors.items():
-        assert err.type_name == "ImportRefused", err
+        assert err.type_name == "ImportRefused" and err.kind is ErrorKind.IMPORT_REFUSED, err
         assert err.remote_message.startswith(f"{what}: refusing to import {target!r}"), err
         assert "allowed prefixes ['arl.', 'tests.']" in err.remote_message
     assert not armed.exists()
@@ -197,6 +197,6 @@ def test_node_refuses_an_attribute_path_out_of_an_allowed_module(tmp_path):
             return info.value
 
     err = asyncio.run(main())
-    assert err.type_name == "ImportRefused", err
+    assert err.type_name == "ImportRefused" and err.kind is ErrorKind.IMPORT_REFUSED, err
     assert "'arl.node.daemon:os' is defined in 'os'" in err.remote_message
     assert not marker.exists()

@@ -161,7 +161,7 @@ def test_rollout_groups_survive_a_forger_and_every_shard_is_freed(tiny_model):
 
     batch, infos, stats, held, left, misrouted = asyncio.run(main())
     assert [r.key for r in batch.refs] == ["g0", "g1", "g2", "g3"]
-    assert all(len(i["rewards"]) == 2 for i in infos)
+    assert all(len(i.rewards) == 2 for i in infos)
     assert (stats.accepted, stats.failed, stats.bad_replies) == (4, 0, 0)
     assert misrouted > 0
     assert (held, left) == (4, 0)

@@ -6,9 +6,9 @@ import asyncio
 
 import torch
 
-from arl.control.rtensor import RTensor, ShardRef
 from arl.data.gsm8k import load_gsm8k
 from arl.engines.model import resolve_model
+from arl.protocol.rtensor import RTensor, ShardRef
 from arl.workflows.base import TRAJECTORY_KEYS
 from tests.support.cluster import local_cluster
 

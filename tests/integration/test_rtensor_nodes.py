@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from arl.control.dispatch import dispatch
-from arl.control.rtensor import RTensor, ShardRef
+from arl.protocol.rtensor import RTensor, ShardRef
 from tests.support.cluster import local_cluster
 from tests.support.objects import make_group
 

@@ -20,13 +20,14 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from arl.control.controller import NodeLost, RemoteError
+from arl.control.controller import NodeLost
 from arl.data.arith import make_arith
 from arl.engines.base import SamplingParams, generate_to_completion
 from arl.engines.server import ServerExited
 from arl.engines.sglang import SGLangEngine
 from arl.engines.spec import EngineSpec
 from arl.process import process_group_members
+from arl.protocol.errors import ErrorKind, RemoteError
 from tests.support.cluster import local_cluster
 from tests.support.tiny_model import make_tiny_model
 
@@ -170,7 +171,8 @@ def test_rollout_node_stops_naming_its_killed_server(tiny_model):
     pid, failed, reason, detected_s, node_exit = asyncio.run(scenario())
     message = str(failed)
     if isinstance(failed, RemoteError):
-        assert failed.type_name == "ServerExited" and failed.node == "node0", message
+        assert failed.kind is ErrorKind.SERVER_EXITED and failed.node == "node0", message
+        assert failed.recoverable, message
     else:
         assert "node node0 was lost while running rollout.run_group" in message, message
     _assert_names_the_server(message, pid)

@@ -14,12 +14,12 @@ import time
 
 import pytest
 
-from arl.control.controller import RemoteError
 from arl.control.rollout import RolloutController
 from arl.control.staleness import StalenessSemaphore
 from arl.data.arith import make_arith
 from arl.data.loader import StatefulLoader
 from arl.node.rollout import data_id
+from arl.protocol.errors import RemoteError
 from arl.trainer import CallTimeout, call_all
 from tests.support.cluster import local_cluster
 from tests.support.tiny_model import make_tiny_model
@@ -118,7 +118,7 @@ def test_a_group_past_rollout_group_timeout_is_abandoned_and_counted(tiny_model)
     batch, infos, stats, held = asyncio.run(main())
     # The batch is the three prompt groups that finished, in loader order; the stuck one was
     # cancelled on its node (no shard stored for it) and counted.
-    assert [i["data_id"] for i in infos] == [data_id(rows[i]) for i in (0, 2, 3)]
+    assert [i.data_id for i in infos] == [data_id(rows[i]) for i in (0, 2, 3)]
     assert [r.key for r in batch.refs] == ["g0", "g2", "g3"]
     assert (stats.timed_out, stats.failed, stats.accepted) == (1, 1, 3)
     assert held == 3

@@ -104,7 +104,7 @@ class SlowWorkflow:
 
         self.inner = RLVRWorkflow(*args, **kwargs)
 
-    async def arun_episode(self, engine: Any, data: dict, *args: Any) -> dict:
+    async def arun_episode(self, engine: Any, data: dict, *args: Any) -> Any:
         """Sleep ``data["slow"]`` seconds (if set), then run the RLVR episode."""
         if data.get("slow"):
             await asyncio.sleep(float(data["slow"]))

@@ -24,6 +24,7 @@ from arl.agent.trajectory import (
 from arl.engines.base import SamplingParams
 from arl.engines.hf import HFEngine
 from arl.filters import no_failed_samples, nonconstant_reward
+from arl.protocol.report import report_from_wire
 from arl.workflows.agent import AgentWorkflow
 from arl.workflows.base import EpisodeRejected, group_score
 from arl.workflows.rlvr import PromptTooLong
@@ -299,19 +300,28 @@ def test_agent_errors_reject_samples_and_an_all_failed_group(tiny, tok):
             return group, e.value
 
     group, rejected = asyncio.run(main())
-    assert group["_failed_samples"] == 2 and group["input_ids"].shape[0] == 2
-    assert set(group) >= {"input_ids", "loss_mask", "logprobs", "versions", "turn_ids", "rewards"}
-    assert len(group["_episode_rewards"]) == 2
+    assert group.failed_samples == 2 and group.tensors["input_ids"].shape[0] == 2
+    keys = {"input_ids", "loss_mask", "logprobs", "versions", "turn_ids", "rewards"}
+    assert set(group.tensors) >= keys
+    assert len(group.episode_rewards) == 2
     # Evaluation counts a failed episode as 0.
-    assert group_score(group) == pytest.approx(sum(group["_episode_rewards"]) / 4)
+    assert group_score(group) == pytest.approx(sum(group.episode_rewards) / 4)
     assert rejected.failed_samples == 3
 
 
+def _report(rewards, episode_rewards=None, failed_samples=0):
+    wire = {"key": "g", "meta": {}, "group_size": len(rewards), "rewards": rewards}
+    wire.update(n_gen_tokens=1, min_version=0, data_id="d", failed_samples=failed_samples)
+    if episode_rewards is not None:
+        wire["episode_rewards"] = episode_rewards
+    return report_from_wire(wire)
+
+
 def test_builtin_filters():
-    assert nonconstant_reward({"rewards": [0.0, 1.0], "episode_rewards": [0.0, 1.0]})
-    assert not nonconstant_reward({"rewards": [1.0, 1.0]})
-    assert not nonconstant_reward({"rewards": [0.0, 1.0], "episode_rewards": [1.0]})
-    assert no_failed_samples({"failed_samples": 0}) and not no_failed_samples({"failed_samples": 1})
+    assert nonconstant_reward(_report([0.0, 1.0], [0.0, 1.0]))
+    assert not nonconstant_reward(_report([1.0, 1.0]))
+    assert not nonconstant_reward(_report([0.0, 1.0], [1.0]))
+    assert no_failed_samples(_report([1.0])) and not no_failed_samples(_report([1.0], None, 1))
 
 
 def test_calculator_tool():

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from arl.control.dispatch import dispatch, split_balanced
-from arl.control.rtensor import RTensor, ShardRef
+from arl.protocol.rtensor import RTensor, ShardRef
 
 
 def _loads(sizes: list[int], assignment: list[list[int]]) -> list[int]:

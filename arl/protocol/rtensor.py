@@ -13,12 +13,16 @@ from typing import Any
 
 import attrs
 
+from arl.protocol.errors import ErrorKind
+
 WIRE_TAG = "__rtensor__"
 LAYOUTS = ("concat",)  # "concat": the batch is the shards' rows, dim 0, in ref order
 
 
 class RTensorError(ValueError):
     """A malformed RTensor or shard ref (e.g. from the wire)."""
+
+    error_kind = ErrorKind.MALFORMED
 
 
 @attrs.frozen

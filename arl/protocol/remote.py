@@ -1,0 +1,324 @@
+"""Typed remote interfaces of the train ranks: what the trainer may call, and what comes back.
+
+`TrainWorkerAPI` lists the methods of ``arl.node.train:TrainWorker`` that the controller calls,
+with the node-side signatures (a test checks that TrainWorker satisfies it). `TrainRanks` is the
+caller's side: one async method per call, run on every rank at once, with the results decoded
+into `LoadedBatch` and `StepStats`. Underneath, the wire stays a method-name call (``call``
+{obj, method, args}); a name that is not on the API is refused at the caller
+(`UnknownRemoteMethod`) before anything is sent.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+
+from arl.protocol.errors import ErrorKind
+from arl.protocol.rtensor import RTensor
+
+
+class UnknownRemoteMethod(AttributeError):
+    """A remote call of a method that the remote interface does not declare."""
+
+
+class StatsError(ValueError):
+    """A train rank's statistics of the wrong shape."""
+
+    error_kind = ErrorKind.MALFORMED
+
+
+@runtime_checkable
+class TrainWorkerAPI(Protocol):
+    """One FSDP2 rank, as the trainer drives it (every rank runs each call together)."""
+
+    def warm_up(self) -> float:
+        """Pay the first passes' one-time costs; returns seconds spent."""
+        ...
+
+    def load_batch(self, shards: Any) -> dict:
+        """This rank's part of the batch: the caller sends an RTensor, the node pulls its shards
+        and hands the worker the tensors; returns ``{n_seqs, n_tokens}`` (`LoadedBatch`)."""
+        ...
+
+    def compute_logp(self) -> None:
+        """Proximal log-probs of the loaded batch."""
+        ...
+
+    def compute_ref_logp(self) -> None:
+        """Reference-model log-probs of the loaded batch."""
+        ...
+
+    def compute_advantages(self) -> dict:
+        """Advantages of the loaded batch; returns reward statistics."""
+        ...
+
+    def ppo_update(self) -> dict:
+        """The PPO update; returns this rank's statistics (`StepStats`)."""
+        ...
+
+    def end_step(self) -> None:
+        """Drop the step's batch."""
+        ...
+
+    def weights_checksum(self) -> str:
+        """Checksum of the weights as the engines receive them."""
+        ...
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        """Log-probs of ``token_ids[1:]`` under the current policy."""
+        ...
+
+    def save_hf(self, path: str) -> None:
+        """Export the policy as an HF folder."""
+        ...
+
+    def save_state(self, path: str) -> None:
+        """Model and optimizer state (DCP) under ``path``."""
+        ...
+
+    def load_state(self, path: str, step: int) -> None:
+        """Restore `save_state`'s files, written at ``step``."""
+        ...
+
+
+def api_methods(api: type) -> frozenset[str]:
+    """The public method names a Protocol class declares."""
+    return frozenset(
+        name
+        for klass in api.__mro__
+        if klass not in (object, Protocol) and klass.__name__ != "Generic"
+        for name, v in vars(klass).items()
+        if callable(v) and not name.startswith("_")
+    )
+
+
+@attrs.frozen
+class LoadedBatch:
+    """What a rank loaded for a step."""
+
+    n_seqs: int
+    n_tokens: int
+
+    @classmethod
+    def from_wire(cls, d: Any) -> LoadedBatch:
+        """From `TrainWorker.load_batch`'s map; raises StatsError naming what is wrong."""
+        if not isinstance(d, Mapping):
+            raise StatsError(f"load_batch must answer a map, got {type(d).__name__}")
+        for name in ("n_seqs", "n_tokens"):
+            v = d.get(name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise StatsError(f"load_batch's {name!r} must be an integer >= 0, got {v!r}")
+        return cls(d["n_seqs"], d["n_tokens"])
+
+
+@attrs.frozen
+class StepStats:
+    """One rank's statistics of a PPO update, by name (NaN travels as the text ``"nan"``)."""
+
+    values: dict[str, float] = attrs.field(hash=False)
+
+    def __getitem__(self, name: str) -> float:
+        return self.values[name]
+
+    def to_wire(self) -> dict:
+        """Plain msgpack-able map."""
+        return {k: "nan" if math.isnan(v) else v for k, v in self.values.items()}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> StepStats:
+        """From `TrainWorker.ppo_update`'s map; raises StatsError naming a bad entry."""
+        if not isinstance(d, Mapping) or not d:
+            raise StatsError(f"ppo_update must answer a non-empty map, got {d!r}")
+        out: dict[str, float] = {}
+        for k, v in d.items():
+            ok = isinstance(v, int | float) and not isinstance(v, bool)
+            if not isinstance(k, str) or not (ok or v in ("nan", "inf", "-inf")):
+                raise StatsError(f"ppo_update statistic {k!r} must be a number, got {v!r}")
+            out[k] = float(v)
+        return cls(out)
+
+
+# ``call(method, per_rank_args)``: one call on every rank at once, results in rank order.
+FanOut = Callable[[str, "list[list] | None"], Awaitable[list]]
+
+
+class TrainRanks:
+    """Every train rank at once, through `TrainWorkerAPI`'s methods (results in rank order)."""
+
+    api = TrainWorkerAPI
+
+    def __init__(self, fan_out: FanOut, n_ranks: int):
+        self._fan_out, self.n_ranks = fan_out, n_ranks
+        self._methods = api_methods(self.api)
+
+    async def call(self, method: str, per_rank: Sequence[Sequence] | None = None) -> list:
+        """Run ``method`` of the API on every rank (``per_rank[i]``: rank i's arguments)."""
+        if method not in self._methods:
+            raise UnknownRemoteMethod(
+                f"{method!r} is not a method of {self.api.__name__}; it declares "
+                f"{sorted(self._methods)} (add it there and on the worker first)"
+            )
+        if per_rank is not None and len(per_rank) != self.n_ranks:
+            raise ValueError(f"{method}: {len(per_rank)} argument lists for {self.n_ranks} ranks")
+        return await self._fan_out(
+            method, None if per_rank is None else [list(a) for a in per_rank]
+        )
+
+    def _same(self, *args: Any) -> list[list]:
+        return [list(args)] * self.n_ranks
+
+    async def warm_up(self) -> list[float]:
+        """Every rank's warm-up seconds."""
+        return [float(s) for s in await self.call("warm_up")]
+
+    async def load_batch(self, parts: Sequence[RTensor]) -> list[LoadedBatch]:
+        """Rank i pulls and loads ``parts[i]``."""
+        replies = await self.call("load_batch", [[p.to_wire()] for p in parts])
+        return [LoadedBatch.from_wire(r) for r in replies]
+
+    async def compute_logp(self) -> None:
+        """Proximal log-probs on every rank."""
+        await self.call("compute_logp")
+
+    async def compute_ref_logp(self) -> None:
+        """Reference log-probs on every rank."""
+        await self.call("compute_ref_logp")
+
+    async def compute_advantages(self) -> list[dict]:
+        """Advantages on every rank; each rank's reward statistics."""
+        return await self.call("compute_advantages")
+
+    async def ppo_update(self) -> list[StepStats]:
+        """The PPO update on every rank; each rank's statistics."""
+        return [StepStats.from_wire(r) for r in await self.call("ppo_update")]
+
+    async def end_step(self) -> None:
+        """Every rank drops its batch."""
+        await self.call("end_step")
+
+    async def weights_checksum(self) -> list[str]:
+        """Every rank's weight checksum."""
+        return [str(c) for c in await self.call("weights_checksum")]
+
+    async def score(self, token_ids: list[int]) -> list[list[float]]:
+        """Every rank's log-probs of ``token_ids[1:]``."""
+        return await self.call("score", self._same(token_ids))
+
+    async def save_hf(self, path: str) -> None:
+        """Export the policy under ``path``."""
+        await self.call("save_hf", self._same(path))
+
+    async def save_state(self, path: str) -> None:
+        """Save model and optimizer state under ``path``."""
+        await self.call("save_state", self._same(path))
+
+    async def load_state(self, path: str, step: int) -> None:
+        """Restore the state saved under ``path`` at ``step``."""
+        await self.call("load_state", self._same(path, step))
+
+
+@runtime_checkable
+class RolloutWorkerAPI(Protocol):
+    """A rollout node's worker (``arl.node.rollout:RolloutWorker``), as the controller drives it."""
+
+    async def setup(self) -> dict:
+        """Load the engine and the workflow; returns the engine's health."""
+        ...
+
+    async def run_group(self, key: str, data: dict) -> dict:
+        """Run one prompt group into the shard store; returns its report's wire map."""
+        ...
+
+    async def evaluate(
+        self,
+        rows: list[dict],
+        n_samples: int = 1,
+        temperature: float = 0.0,
+        max_new_tokens: int | None = None,
+    ) -> list[float]:
+        """Mean reward per row under evaluation sampling."""
+        ...
+
+    async def pause(self) -> None:
+        """Interrupt generation (it continues after resume)."""
+        ...
+
+    async def resume(self) -> None:
+        """Let generation continue."""
+        ...
+
+    async def set_version(self, version: int) -> None:
+        """Stamp tokens generated from now on with ``version``."""
+        ...
+
+    async def weights_checksum(self) -> str:
+        """The engine's weight checksum."""
+        ...
+
+    async def score(self, token_ids: list[int]) -> list[float]:
+        """A server engine's log-probs of ``token_ids[1:]``."""
+        ...
+
+
+class RolloutWorkerClient:
+    """One rollout worker through `RolloutWorkerAPI`'s methods; ``remote`` is its handle (any
+    object with ``node`` and ``async call(method, *args)``, e.g. a RemoteObject)."""
+
+    api = RolloutWorkerAPI
+
+    def __init__(self, remote: Any):
+        self.remote, self.node = remote, remote.node
+        self._methods = api_methods(self.api)
+
+    def __repr__(self) -> str:
+        return f"RolloutWorkerClient({self.remote!r})"
+
+    async def call(self, method: str, *args: Any) -> Any:
+        """Run ``method`` of the API on the worker; other names are refused here."""
+        if method not in self._methods:
+            raise UnknownRemoteMethod(
+                f"{method!r} is not a method of {self.api.__name__}; it declares "
+                f"{sorted(self._methods)}"
+            )
+        return await self.remote.call(method, *args)
+
+    async def setup(self) -> dict:
+        """Load the engine and the workflow; returns the engine's health."""
+        return await self.call("setup")
+
+    async def run_group(self, key: str, data: dict) -> Any:
+        """The report's wire map (`arl.protocol.report.report_from_wire` checks it)."""
+        return await self.call("run_group", key, data)
+
+    async def evaluate(
+        self, rows: list[dict], n_samples: int = 1, temperature: float = 0.0
+    ) -> list[float]:
+        """Mean reward per row; raises StatsError unless it is one number per row."""
+        scores = await self.call("evaluate", rows, n_samples, temperature)
+        ok = isinstance(scores, list) and len(scores) == len(rows)
+        if not ok or not all(isinstance(s, int | float) for s in scores):
+            raise StatsError(f"evaluate must answer one number per row ({len(rows)}): {scores!r}")
+        return [float(s) for s in scores]
+
+    async def pause(self) -> None:
+        """Interrupt generation."""
+        await self.call("pause")
+
+    async def resume(self) -> None:
+        """Let generation continue."""
+        await self.call("resume")
+
+    async def set_version(self, version: int) -> None:
+        """Stamp new tokens with ``version``."""
+        await self.call("set_version", version)
+
+    async def weights_checksum(self) -> str:
+        """The engine's weight checksum."""
+        return str(await self.call("weights_checksum"))
+
+    async def score(self, token_ids: list[int]) -> list[float]:
+        """A server engine's log-probs of ``token_ids[1:]``."""
+        return await self.call("score", token_ids)
