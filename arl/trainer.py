@@ -442,7 +442,10 @@ class PPOTrainer:
     async def _probe_gaps(self, servers: list) -> list[tuple[float, float]]:
         """`probe_gap` of each server engine's probe log-probs against the trainer's."""
         probe = await self._probe_tokens()
-        want = (await self._all("score", [[probe]] * len(self.train_workers)))[0]
+        # Scored with the weights in the servers' dtype: a sync in fp32 reaches a bf16 server
+        # rounded, and rounding can undo an update smaller than bf16's spacing.
+        dtype = None if self.cfg.rollout.dtype == "auto" else self.cfg.rollout.dtype
+        want = (await self._all("score", [[probe, dtype]] * len(self.train_workers)))[0]
         got = await asyncio.gather(*(w.score(probe) for _, w in servers))
         return [probe_gap(g, want) for g in got]
 

@@ -38,7 +38,7 @@ def standin_env(monkeypatch):
     return monkeypatch
 
 
-def _sglang_config(tmp_path: Path, model: str):
+def _sglang_config(tmp_path: Path, model: str, *overrides: str):
     return tiny_run_config(
         tmp_path,
         model,
@@ -49,6 +49,7 @@ def _sglang_config(tmp_path: Path, model: str):
         # Rewards that differ within a group, so every step really changes the weights.
         "rollout.reward=tests.support.deterministic:vowel_reward",
         "cluster.allowed_import_prefixes=[arl,tests]",
+        *overrides,
     )
 
 
@@ -67,6 +68,40 @@ def test_sglang_through_the_trainer_generates_with_every_synced_version(
         assert r["sync/probe_floor"] == 0.0
         assert r["sync/probe_mean_abs_diff"] <= cfg.weight_sync.verify_tolerance
         assert r["rollout/staleness_max"] <= 1
+
+
+def test_a_sync_interrupts_server_generations_and_their_tokens_switch_version(
+    tmp_path, tiny_model, standin_env
+):
+    """Each sync pauses rollout once the stand-in is generating (its health counts requests in
+    flight): those generations are cut, continue after the resume, and are trained with tokens
+    of both versions, which `rollout/version_switches` counts."""
+    from arl.control.rollout import RolloutController
+
+    pause = RolloutController.pause
+    pauses_in_flight = []
+
+    async def pause_while_generating(self) -> None:
+        # Waits for a state, not a duration: requests in flight on some server.
+        for _ in range(1200):
+            inflight = sum(
+                h["inflight"] for h in await asyncio.gather(*(w.health() for w in self.workers))
+            )
+            if inflight:
+                break
+            await asyncio.sleep(0.05)
+        pauses_in_flight.append(inflight)
+        await pause(self)
+
+    standin_env.setattr(RolloutController, "pause", pause_while_generating)
+    cfg = _sglang_config(tmp_path, tiny_model, "gconfig.max_new_tokens=256")
+    asyncio.run(run(cfg))
+    rows = read_jsonl(cfg.run_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert pauses_in_flight[0] > 0
+    # Step 2 trains the groups that the first sync cut: their tokens carry versions 0 and 1.
+    assert rows[1]["rollout/version_switches"] > 0
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
 
 
 def test_a_server_that_drops_weight_updates_stops_the_run(tmp_path, tiny_model, standin_env):

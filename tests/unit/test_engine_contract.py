@@ -44,17 +44,11 @@ def contract_gaps(cls: type) -> list[str]:
 
 def test_the_protocol_lists_the_whole_contract() -> None:
     names = set(protocol_methods()) | set(DATA_MEMBERS)
-    assert {
-        "start",
-        "aclose",
-        "wait_failed",
-        "agenerate",
-        "pause",
-        "resume",
-        "set_version",
-    } <= names
-    assert {"health", "weight_targets", "update_weights", "update_weights_from_disk"} <= names
-    assert {"weights_device", "weights_checksum", "score", "version", "name"} <= names
+    assert names == {
+        *("name", "weight_targets", "version", "start", "aclose", "wait_failed", "agenerate"),
+        *("pause", "resume", "set_version", "health", "weights_device", "update_weights"),
+        *("update_weights_from_disk", "weights_checksum", "score"),
+    }
 
 
 @pytest.mark.parametrize("name", sorted(ENGINES))

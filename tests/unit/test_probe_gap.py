@@ -22,3 +22,20 @@ def test_a_coherent_move_shows_in_both() -> None:
 def test_sequences_of_different_lengths_are_refused() -> None:
     with pytest.raises(WeightSyncError, match="same sequence"):
         probe_gap([-1.0], [-1.0, -2.0])
+
+
+def test_the_trainer_scores_with_weights_rounded_as_a_bf16_engine_holds_them() -> None:
+    import torch
+
+    from arl.node.train import _weights_rounded_to
+
+    layer = torch.nn.Linear(2, 1, bias=False)
+    trained = torch.tensor([[1.0 + 1e-5, 0.5]])  # an update below bf16's spacing
+    with torch.no_grad():
+        layer.weight.copy_(trained)
+    with _weights_rounded_to(layer, torch.bfloat16):
+        assert layer.weight.dtype == torch.float32
+        assert layer.weight.tolist() == [[1.0, 0.5]]
+    assert torch.equal(layer.weight, trained)
+    with _weights_rounded_to(layer, None):
+        assert layer.weight[0, 0].item() != 1.0
