@@ -443,7 +443,8 @@ class PPOTrainer:
         """`probe_gap` of each server engine's probe log-probs against the trainer's."""
         probe = await self._probe_tokens()
         # Scored with the weights in the servers' dtype: a sync in fp32 reaches a bf16 server
-        # rounded, and rounding can undo an update smaller than bf16's spacing.
+        # rounded, and rounding can undo an update smaller than bf16's spacing. With "auto"
+        # the server picks its dtype from the model, unknown here: the weights stay unrounded.
         dtype = None if self.cfg.rollout.dtype == "auto" else self.cfg.rollout.dtype
         want = (await self._all("score", [[probe, dtype]] * len(self.train_workers)))[0]
         got = await asyncio.gather(*(w.score(probe) for _, w in servers))

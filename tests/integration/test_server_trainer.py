@@ -73,33 +73,38 @@ def test_sglang_through_the_trainer_generates_with_every_synced_version(
 def test_a_sync_interrupts_server_generations_and_their_tokens_switch_version(
     tmp_path, tiny_model, standin_env
 ):
-    """Each sync pauses rollout once the stand-in is generating (its health counts requests in
-    flight): those generations are cut, continue after the resume, and are trained with tokens
-    of both versions, which `rollout/version_switches` counts."""
+    """The first sync pauses rollout once the stand-in is generating: those generations are cut,
+    continue after the resume, and step 2 trains them with tokens of versions 0 and 1, which
+    `rollout/version_switches` counts. One batch of groups in flight at a time: with the
+    default (two batches) the next batch's groups start beside the current ones and finish
+    before the trainer's step ends, so no sync finds a generation to cut (0 switches, as the
+    vLLM run above measures)."""
     from arl.control.rollout import RolloutController
 
     pause = RolloutController.pause
-    pauses_in_flight = []
+    inflight_at_pause: list[int] = []
 
-    async def pause_while_generating(self) -> None:
-        # Waits for a state, not a duration: requests in flight on some server.
-        for _ in range(1200):
-            inflight = sum(
-                h["inflight"] for h in await asyncio.gather(*(w.health() for w in self.workers))
-            )
+    async def pause_once_generating(self) -> None:
+        inflight = 0
+        # The first pause waits for a state (requests in flight on a server), not a duration.
+        for _ in range(0 if inflight_at_pause else 1200):
+            healths = await asyncio.gather(*(w.health() for w in self.workers))
+            inflight = sum(h["inflight"] for h in healths)
             if inflight:
                 break
             await asyncio.sleep(0.05)
-        pauses_in_flight.append(inflight)
+        inflight_at_pause.append(inflight)
         await pause(self)
 
-    standin_env.setattr(RolloutController, "pause", pause_while_generating)
-    cfg = _sglang_config(tmp_path, tiny_model, "gconfig.max_new_tokens=256")
+    standin_env.setattr(RolloutController, "pause", pause_once_generating)
+    cfg = _sglang_config(
+        tmp_path, tiny_model, "gconfig.max_new_tokens=256", "rollout.max_concurrent_rollouts=2"
+    )
     asyncio.run(run(cfg))
     rows = read_jsonl(cfg.run_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert pauses_in_flight[0] > 0
-    # Step 2 trains the groups that the first sync cut: their tokens carry versions 0 and 1.
+    assert inflight_at_pause[0] > 0
+    assert rows[0]["rollout/version_switches"] == 0  # generated before any sync
     assert rows[1]["rollout/version_switches"] > 0
     assert all(r["rollout/staleness_max"] <= 1 for r in rows)
 
