@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import attrs
 
 if TYPE_CHECKING:
     import torch
+
+    from arl.engines.spec import EngineSpec
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -81,6 +83,12 @@ class Engine(Protocol):
     name: ClassVar[str]
     weight_targets: ClassVar[frozenset[WeightTarget]]
     version: int
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec, **options: Any) -> Engine:
+        """A new, unstarted engine for a rollout node's `EngineSpec`; ``options`` are further
+        constructor arguments (`arl.engines.spec.build_engine` calls it)."""
+        ...
 
     async def start(self) -> None:
         """Make the engine ready to generate (a server engine starts its server here)."""
