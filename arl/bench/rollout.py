@@ -209,7 +209,7 @@ async def run_benchmark(
                 vllm_task.cancel()  # ServerProcess.start ends the server when cancelled
                 await asyncio.gather(vllm_task, return_exceptions=True)
             elif vllm is not None:
-                await vllm.close()
+                await vllm.aclose()
 
 
 def median_rounds(measurements: list[Measurement]) -> list[tuple[Measurement, int]]:

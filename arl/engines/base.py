@@ -3,15 +3,24 @@
 An engine generates from token ids and returns, per generated token, the sampling log-prob and
 the policy version that produced it. `pause()` interrupts in-flight requests: they return what
 they have with finish reason ``"abort"``; `generate_to_completion` resubmits them after
-`resume()` so an interrupted generation continues under the new version.
+`resume()` so an interrupted generation continues under the new version. The protocol is the
+whole contract: callers (the rollout worker, the weight-sync modes, the trainer's checks) use
+its members only, and read what an engine accepts from its declared `weight_targets`.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Literal, Protocol, runtime_checkable
+import enum
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import attrs
+
+if TYPE_CHECKING:
+    import torch
+
+    from arl.engines.spec import EngineSpec
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -38,15 +47,61 @@ class GenerationResult:
     finish_reason: FinishReason
 
 
+class WeightTarget(enum.Enum):
+    """Where an engine takes new weights from; each engine declares its set in
+    `Engine.weight_targets`, and the weight-sync modes and their plan checks read it."""
+
+    TENSORS = "tensors"  # `update_weights(named)`: tensors handed over in the engine's process
+    DIRECTORY = "directory"  # `update_weights_from_disk(path)`: an HF safetensors folder
+
+
+class WeightTargetError(TypeError):
+    """An engine was handed weights through a target it does not declare."""
+
+
+def refuse_target(engine: Engine, target: WeightTarget) -> WeightTargetError:
+    """The error for ``engine`` handed weights through ``target``, naming what it accepts."""
+    accepted = ", ".join(sorted(t.value for t in engine.weight_targets)) or "nothing"
+    return WeightTargetError(
+        f"the {engine.name} engine does not take weights as {target.value} (it accepts: "
+        f"{accepted}); choose a weight_sync.mode that delivers one of those"
+    )
+
+
 @runtime_checkable
 class Engine(Protocol):
-    """An inference engine hosted on a rollout node.
+    """An inference engine hosted on a rollout node: the whole contract its callers use.
 
-    `agenerate` may be called many times concurrently from one event loop; blocking work runs
-    off the loop. Weight updates happen only while paused.
+    Life: `start` (servers spawn and wait for their process), `aclose` (ends everything it
+    started), `wait_failed` (returns the error once the engine died on its own; never after
+    `aclose`). Generation: `agenerate` may be called many times concurrently from one event
+    loop; blocking work runs off the loop. Weights: the engine declares `weight_targets`;
+    updates through a target happen only while paused, and a target not declared raises
+    `WeightTargetError`. `score` and `weights_checksum` let the trainer verify a sync.
     """
 
+    name: ClassVar[str]
+    weight_targets: ClassVar[frozenset[WeightTarget]]
     version: int
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec, **options: Any) -> Engine:
+        """A new, unstarted engine for a rollout node's `EngineSpec`; ``options`` are further
+        constructor arguments (`arl.engines.spec.build_engine` calls it)."""
+        ...
+
+    async def start(self) -> None:
+        """Make the engine ready to generate (a server engine starts its server here)."""
+        ...
+
+    async def aclose(self) -> None:
+        """End the engine and everything it started; requests still running fail."""
+        ...
+
+    async def wait_failed(self) -> BaseException:
+        """Wait until the engine dies on its own and return why (never returns after
+        `aclose`): its rollout node then stops with that reason."""
+        ...
 
     async def agenerate(self, input_ids: list[int], sampling: SamplingParams) -> GenerationResult:
         """Generate a continuation of ``input_ids``; stops early with ``"abort"`` on pause."""
@@ -66,6 +121,30 @@ class Engine(Protocol):
 
     async def health(self) -> dict:
         """A small dict describing the engine state; raises if the engine is unusable."""
+        ...
+
+    @property
+    def weights_device(self) -> torch.device | None:
+        """The device `update_weights` copies onto; None without `WeightTarget.TENSORS`."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """`WeightTarget.TENSORS`: copy named tensors in (paused; blocking: call it off the
+        event loop); returns how many were copied."""
+        ...
+
+    async def update_weights_from_disk(self, path: str) -> None:
+        """`WeightTarget.DIRECTORY`: load the HF-format folder ``path`` (paused)."""
+        ...
+
+    async def weights_checksum(self) -> str | None:
+        """`checksum_named_tensors` of the weights held, or None where the engine cannot
+        compute one (a server: verify it with `score`)."""
+        ...
+
+    async def score(self, token_ids: list[int]) -> list[float]:
+        """Log-probs (temperature 1) of ``token_ids[1:]``, each given the tokens before it,
+        under the weights held now."""
         ...
 
 

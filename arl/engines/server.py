@@ -22,16 +22,19 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Awaitable, Mapping, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import aiohttp
 
+from arl.engines.base import WeightTarget, refuse_target
 from arl.process import OwnedProcess, spawn
 from arl.protocol.errors import ErrorKind
 from arl.wire.addresses import free_port as free_port  # re-exported for the server engines
 
 if TYPE_CHECKING:
+    import torch
+
     from arl.engines.spec import EngineSpec
 
 log = logging.getLogger(__name__)
@@ -270,7 +273,11 @@ class HttpServerEngine:
     # `set_version` while running). A request that reaches the server just after a pause is
     # held there and runs after the resume, so the new window's version is right for it too.
 
-    engine_name = "server"
+    name: ClassVar[str] = "server"
+    # A server loads new weights itself, from a folder it can read.
+    weight_targets: ClassVar[frozenset[WeightTarget]] = frozenset({WeightTarget.DIRECTORY})
+    weights_device: ClassVar[None] = None  # it takes no tensors from this process
+    version: int
 
     def __init__(
         self,
@@ -290,7 +297,7 @@ class HttpServerEngine:
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._inflight = 0
-        # The watchdog: set when the server exits while the engine is open (not by `close`).
+        # The watchdog: set when the server exits while the engine is open (not by `aclose`).
         self._failure: ServerExited | None = None
         self._failed = asyncio.Event()
         self._watchdog: asyncio.Task | None = None
@@ -324,7 +331,7 @@ class HttpServerEngine:
             connector=aiohttp.TCPConnector(limit=self._max_connections),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),
         )
-        self._watchdog = asyncio.create_task(self._watch(), name=f"arl-{self.engine_name}-watch")
+        self._watchdog = asyncio.create_task(self._watch(), name=f"arl-{self.name}-watch")
 
     async def _watch(self) -> None:
         """Notice the server's exit at once, not at the next request: fail what is in flight."""
@@ -334,14 +341,14 @@ class HttpServerEngine:
         self._failed.set()
 
     async def wait_failed(self) -> ServerExited:
-        """Wait until the server exits on its own (never returns after a clean `close`)."""
+        """Wait until the server exits on its own (never returns after a clean `aclose`)."""
         await self._failed.wait()
         assert self._failure is not None
         return self._failure
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         """Close the HTTP session and end the server (its whole process group)."""
-        if self._watchdog is not None:  # an exit caused by close() is not a failure
+        if self._watchdog is not None:  # an exit caused by aclose() is not a failure
             self._watchdog.cancel()
             await asyncio.gather(self._watchdog, return_exceptions=True)
             self._watchdog = None
@@ -357,7 +364,23 @@ class HttpServerEngine:
         return self
 
     async def __aexit__(self, *exc_info) -> None:
-        await self.close()
+        await self.aclose()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Refused: a server takes no tensors from this process (`weight_targets`)."""
+        raise refuse_target(self, WeightTarget.TENSORS)
+
+    async def update_weights_from_disk(self, path: str) -> None:
+        """Load the HF-format folder ``path`` (paused); each server has its own endpoint."""
+        raise NotImplementedError
+
+    async def weights_checksum(self) -> None:
+        """None: a server exposes no checksum of its weights; verify them with `score`."""
+        return None
+
+    async def score(self, token_ids: Sequence[int]) -> list[float]:
+        """Log-probs of ``token_ids[1:]`` under the weights held now; each server's own call."""
+        raise NotImplementedError
 
     def set_version(self, version: int) -> None:
         """Set the policy version stamped on tokens generated from now on."""
@@ -382,12 +405,12 @@ class HttpServerEngine:
             raise self._failure
         if not self.server.running():
             raise ServerError(
-                f"{self.engine_name} server (pid {self.server.pid}) is not running; see its log "
+                f"{self.name} server (pid {self.server.pid}) is not running; see its log "
                 f"{self.server.log_path}"
             )
         await self._request("GET", self._health_path())
         return {
-            "engine": self.engine_name,
+            "engine": self.name,
             "url": self.base_url,
             "pid": self.server.pid,
             "version": self.version,
@@ -432,7 +455,7 @@ class HttpServerEngine:
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
             raise ServerError(
-                f"{self.engine_name} engine is not started (or closed): call `await "
+                f"{self.name} engine is not started (or closed): call `await "
                 "engine.start()` or use `async with`"
             )
         return self._session
@@ -464,8 +487,7 @@ class HttpServerEngine:
                 text = await resp.text()
                 if resp.status != 200:
                     raise ServerError(
-                        f"{self.engine_name} {method} {path} failed with HTTP {resp.status}: "
-                        f"{text[:1000]}"
+                        f"{self.name} {method} {path} failed with HTTP {resp.status}: {text[:1000]}"
                     )
                 return text, resp.content_type
 
@@ -480,7 +502,7 @@ class HttpServerEngine:
                 raise self._failure from exc
             alive = "running" if self.server.running() else "not running"
             raise ServerError(
-                f"{self.engine_name} {method} {path} at {self.base_url} failed: {exc!r} (server "
+                f"{self.name} {method} {path} at {self.base_url} failed: {exc!r} (server "
                 f"{alive}; log {self.server.log_path})"
             ) from exc
         if content_type == "application/json":

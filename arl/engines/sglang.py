@@ -13,8 +13,9 @@ Endpoints used:
   ...}, "output_token_logprobs": [[logprob, token_id, text|null], ...], ...}}``
 - ``POST /pause_generation`` ``{"mode": "abort"}`` aborts running requests (they return their
   tokens so far with finish type ``abort``) and holds new ones until ``POST /continue_generation``.
-- ``POST /update_weights_from_disk``, ``/init_weights_update_group``,
-  ``/update_weights_from_distributed`` -> ``{"success": bool, "message": str, ...}``.
+- ``POST /update_weights_from_disk`` -> ``{"success": bool, "message": str, ...}``. SGLang's
+  distributed update (``/init_weights_update_group``, ``/update_weights_from_distributed``) is
+  not used: arl's nccl mode broadcasts flat buckets, which that endpoint does not read.
 - ``GET /health`` (it generates one token, so `health` asks ``GET /get_model_info`` while
   paused), ``POST /flush_cache``.
 """
@@ -29,8 +30,6 @@ from arl.engines.base import GenerationResult, SamplingParams
 from arl.engines.server import HttpServerEngine, ServerError, ServerProcess, free_port
 
 if TYPE_CHECKING:
-    import torch
-
     from arl.engines.spec import EngineSpec
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -44,7 +43,7 @@ class SGLangEngine(HttpServerEngine):
     ``[python, "-m", "sglang.launch_server"]``. Call `start` (or use ``async with``) first.
     """
 
-    engine_name = "sglang"
+    name = "sglang"
 
     # Flags arl derives from the engine spec, and the setting each comes from.
     OWNED_FLAGS = {
@@ -158,59 +157,6 @@ class SGLangEngine(HttpServerEngine):
         """Load new weights from the HF-format directory ``path`` (call while paused)."""
         body = {"model_path": str(path), "load_format": load_format, "flush_cache": flush_cache}
         return await self._checked("/update_weights_from_disk", body)
-
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        *,
-        group_name: str = "weight_update_group",
-        backend: str = "nccl",
-    ) -> dict:
-        """Make the server's ranks join a torch.distributed group with the trainer.
-
-        The trainer is rank 0; the server's ranks are ``rank_offset ..``; ``world_size`` counts
-        both sides.
-        """
-        body = {
-            "master_address": master_address,
-            "master_port": master_port,
-            "rank_offset": rank_offset,
-            "world_size": world_size,
-            "group_name": group_name,
-            "backend": backend,
-        }
-        return await self._checked("/init_weights_update_group", body)
-
-    async def update_weights_from_distributed(
-        self,
-        names: Sequence[str],
-        dtypes: Sequence[str | torch.dtype],
-        shapes: Sequence[Sequence[int]],
-        *,
-        group_name: str = "weight_update_group",
-        flush_cache: bool = True,
-    ) -> dict:
-        """Receive the named tensors that the trainer broadcasts next in ``group_name``.
-
-        ``dtypes`` are torch dtypes or their names (``"bfloat16"``). The call returns once the
-        server has received and loaded them, so the trainer must broadcast concurrently.
-        """
-        if not len(names) == len(dtypes) == len(shapes):
-            raise ValueError(
-                f"names, dtypes and shapes must have one entry per tensor; got {len(names)}, "
-                f"{len(dtypes)} and {len(shapes)}"
-            )
-        body = {
-            "names": list(names),
-            "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
-            "shapes": [list(s) for s in shapes],
-            "group_name": group_name,
-            "flush_cache": flush_cache,
-        }
-        return await self._checked("/update_weights_from_distributed", body)
 
     async def flush_cache(self) -> None:
         """Drop the server's prefix (radix) cache; it refuses while requests are running."""

@@ -24,6 +24,7 @@ from arl.config import Config, ConfigError
 
 if TYPE_CHECKING:
     from arl.control.placement import NodeSpec
+    from arl.engines.base import Engine
 
 # name -> "module:class". The class builds itself from a spec with `from_spec(spec)`.
 ENGINES: dict[str, str] = {
@@ -155,7 +156,7 @@ def engine_class(name: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-def build_engine(spec: EngineSpec, **options: Any) -> Any:
+def build_engine(spec: EngineSpec, **options: Any) -> Engine:
     """A new, unstarted engine for ``spec`` (server engines start with ``await engine.start()``);
     ``options`` are further arguments of the engine's constructor (a server's ``env``...)."""
     return engine_class(spec.name).from_spec(spec, **options)

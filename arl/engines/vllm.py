@@ -39,10 +39,10 @@ class VLLMEngine(HttpServerEngine):
 
     ``python`` is the interpreter that has vLLM installed; ``server_args`` are passed to the
     server as they are (for example ``["--dtype", "bfloat16", "--max-model-len", "2048"]``).
-    Call `start` (or use ``async with``) before generating; `close` ends the server.
+    Call `start` (or use ``async with``) before generating; `aclose` ends the server.
     """
 
-    engine_name = "vllm"
+    name = "vllm"
 
     # Flags arl derives from the engine spec, and the setting each comes from.
     OWNED_FLAGS = {

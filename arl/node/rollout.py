@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import inspect
 import json
 import logging
 import time
@@ -19,7 +18,7 @@ from typing import Any
 
 import torch
 
-from arl.engines.base import SamplingParams
+from arl.engines.base import Engine, SamplingParams, WeightTarget, refuse_target
 from arl.engines.spec import EngineSpec, build_engine
 from arl.protocol.errors import ErrorKind
 from arl.protocol.imports import ImportRefused, resolve_import
@@ -80,11 +79,11 @@ class RolloutWorker:
         self.group_timeout = group_timeout
         self.agent_target, self.workflow_kwargs = agent, dict(workflow_kwargs or {})
         self.node: Any = None
-        self.engine: Any = None
+        self.engine: Engine | None = None
         self.workflow: Any = None
         self.groups_done = 0
         self.groups_failed = 0
-        self._server_watch: asyncio.Task | None = None
+        self._engine_watch: asyncio.Task | None = None
 
     def attach_node(self, node: Any) -> None:
         """Called by the node after construction: gives access to its store and prefixes."""
@@ -119,11 +118,9 @@ class RolloutWorker:
             return engine, reward_fn, workflow_cls, tokenizer
 
         self.engine, reward_fn, workflow_cls, tokenizer = await loop.run_in_executor(None, load)
-        start = getattr(self.engine, "start", None)
-        if inspect.iscoroutinefunction(start):  # server engines (vllm, sglang) start a process
-            await start()
-        if hasattr(self.engine, "wait_failed") and self.node is not None:
-            self._server_watch = asyncio.create_task(self._stop_node_when_server_exits())
+        await self.engine.start()  # server engines (vllm, sglang) start their process here
+        if self.node is not None:
+            self._engine_watch = asyncio.create_task(self._stop_node_when_engine_fails())
         stop = set(self.sampling.stop_token_ids)
         if tokenizer.eos_token_id is not None:
             stop.add(int(tokenizer.eos_token_id))
@@ -139,9 +136,10 @@ class RolloutWorker:
         )
         return await self.engine.health()
 
-    async def _stop_node_when_server_exits(self) -> None:
-        """A rollout node whose inference server died cannot serve: it stops, and the
-        controller sees it leave with the server's exit status and log as the reason."""
+    async def _stop_node_when_engine_fails(self) -> None:
+        """A rollout node whose engine died (a server exited, a decode thread crashed) cannot
+        serve: it stops, and the controller sees it leave with the engine's reason (for a
+        server, its exit status and log)."""
         failure = await self.engine.wait_failed()
         self.node.stop(str(failure))
 
@@ -238,24 +236,29 @@ class RolloutWorker:
 
     @property
     def weights_device(self) -> torch.device | None:
-        """The device of an in-process engine that `update_weights` copies into; None for a
-        server engine (it loads weights itself, e.g. from disk)."""
-        if not hasattr(self.engine, "update_weights") or not hasattr(self.engine, "device"):
+        """The device `update_weights` copies onto; None for an engine that does not take
+        tensors (`WeightTarget.TENSORS`), such as a server that loads weights itself."""
+        if WeightTarget.TENSORS not in self.engine.weight_targets:
             return None
-        return torch.device(self.engine.device)
+        return self.engine.weights_device
 
     def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy named tensors into the engine (paused; blocking: call it off the event loop).
         The weight-sync plug-ins (arl.weights) move weights here."""
-        if self.weights_device is None:
-            raise TypeError(
-                f"{type(self.engine).__name__} loads weights itself; it has no update_weights"
-            )
+        if WeightTarget.TENSORS not in self.engine.weight_targets:
+            raise refuse_target(self.engine, WeightTarget.TENSORS)
         return self.engine.update_weights(named)
 
-    async def weights_checksum(self) -> str:
-        """The engine's weight checksum (tests compare it with the trainer's)."""
-        return await asyncio.get_running_loop().run_in_executor(None, self.engine.weights_checksum)
+    async def update_weights_from_disk(self, path: str) -> None:
+        """Load the HF-format folder ``path`` into the engine (paused)."""
+        if WeightTarget.DIRECTORY not in self.engine.weight_targets:
+            raise refuse_target(self.engine, WeightTarget.DIRECTORY)
+        await self.engine.update_weights_from_disk(path)
+
+    async def weights_checksum(self) -> str | None:
+        """The engine's weight checksum (the trainer compares it with its own), or None where
+        the engine cannot compute one."""
+        return await self.engine.weights_checksum()
 
     async def score(self, token_ids: list[int]) -> list[float]:
         """The server engine's log-probs of ``token_ids[1:]`` (weight verification)."""
@@ -268,13 +271,8 @@ class RolloutWorker:
 
     async def aclose(self) -> None:
         """End the engine (and any server it started)."""
-        if self._server_watch is not None:
-            self._server_watch.cancel()
-            self._server_watch = None
-        if self.engine is None:
-            return
-        close = getattr(self.engine, "aclose", None) or getattr(self.engine, "close", None)
-        if close is not None:
-            res = close()
-            if inspect.isawaitable(res):
-                await res
+        if self._engine_watch is not None:
+            self._engine_watch.cancel()
+            self._engine_watch = None
+        if self.engine is not None:
+            await self.engine.aclose()

@@ -9,6 +9,7 @@ here; only small statistics travel back.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -30,6 +31,24 @@ def _actor_config(actor: dict) -> Any:
     from arl.config import ActorConfig, converter
 
     return converter.structure(actor, ActorConfig)
+
+
+@contextlib.contextmanager
+def _weights_rounded_to(model: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """``model``'s parameters rounded to ``dtype`` and back (each shard in place), restored on
+    exit; None: unchanged. Rounding a trained fp32 weight to bf16 can undo a small update."""
+    if dtype is None:
+        yield
+        return
+    params = [p for p in model.parameters() if p.dtype != dtype]
+    saved = [p.detach().clone() for p in params]
+    try:
+        for p in params:
+            p.data.copy_(p.data.to(dtype))
+        yield
+    finally:
+        for p, orig in zip(params, saved, strict=True):
+            p.data.copy_(orig)
 
 
 class TrainWorker:
@@ -211,12 +230,15 @@ class TrainWorker:
         """Checksum of the full weights, comparable with an inference engine's."""
         return checksum_named_tensors(self.full_state())
 
-    def score(self, token_ids: list[int]) -> list[float]:
+    def score(self, token_ids: list[int], weights_dtype: str | None = None) -> list[float]:
         """Log-probs of ``token_ids[1:]`` under the current weights, each given the tokens
-        before it (every rank calls it together: the sharded forward gathers)."""
+        before it (every rank calls it together: the sharded forward gathers). With
+        ``weights_dtype`` the weights are first rounded to it, as an engine holding them in that
+        dtype has them, and restored after."""
         model = self.engine.model
         ids = torch.tensor([token_ids], device=self.engine.device)
-        with torch.no_grad():
+        dtype = None if weights_dtype is None else parse_dtype(weights_dtype)
+        with torch.no_grad(), _weights_rounded_to(model, dtype):
             logits = model(input_ids=ids).logits[0, :-1].float()
         return torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0].tolist()
 

@@ -67,8 +67,9 @@ class TrainWorkerAPI(Protocol):
         """Checksum of the weights as the engines receive them."""
         ...
 
-    def score(self, token_ids: list[int]) -> list[float]:
-        """Log-probs of ``token_ids[1:]`` under the current policy."""
+    def score(self, token_ids: list[int], weights_dtype: str | None = None) -> list[float]:
+        """Log-probs of ``token_ids[1:]`` under the current policy (its weights rounded to
+        ``weights_dtype`` first, when given)."""
         ...
 
     def save_hf(self, path: str) -> None:
@@ -203,9 +204,11 @@ class TrainRanks:
         """Every rank's weight checksum."""
         return [str(c) for c in await self.call("weights_checksum")]
 
-    async def score(self, token_ids: list[int]) -> list[list[float]]:
-        """Every rank's log-probs of ``token_ids[1:]``."""
-        return await self.call("score", self._same(token_ids))
+    async def score(
+        self, token_ids: list[int], weights_dtype: str | None = None
+    ) -> list[list[float]]:
+        """Every rank's log-probs of ``token_ids[1:]`` (weights rounded to ``weights_dtype``)."""
+        return await self.call("score", self._same(token_ids, weights_dtype))
 
     async def save_hf(self, path: str) -> None:
         """Export the policy under ``path``."""

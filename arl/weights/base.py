@@ -17,7 +17,9 @@ What the node halves use of their worker: a train worker's ``rank``, ``engine.de
 ``full_state()`` (the full weights in the sync dtype, collective across ranks),
 ``weight_specs()``, ``weight_sources()`` (one rank: views, no gather) and ``tied_weights()``; a
 rollout worker's ``update_weights(named) -> int`` (the engine paused), ``weights_device`` (the
-device of an in-process engine, None for a server engine) and ``engine`` (disk reloads).
+device of an engine that takes tensors, None for one that does not) and
+``update_weights_from_disk(path)``. What each engine accepts is declared in its
+``weight_targets`` (`arl.engines.base.WeightTarget`); `require_weight_target` checks a plan.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 
 from arl.config import ConfigError, WeightSyncConfig
+from arl.engines.base import WeightTarget
 from arl.wire.addresses import is_loopback
 
 if TYPE_CHECKING:
@@ -164,7 +167,7 @@ class NodePart:
 
 def engine_device(host: Any, mode: str) -> Any:
     """The device of the rollout worker's in-process engine; refuses server engines."""
-    device = getattr(host, "weights_device", None)
+    device = host.weights_device
     if device is None:
         raise WeightSyncError(
             f"weight_sync.mode={mode} copies tensors into an in-process engine; this rollout "
@@ -199,19 +202,34 @@ def train_rank0(plan: Sequence[NodeSpec]) -> NodeSpec:
     return next(n for n in plan if n.role == "train" and n.rank == 0)
 
 
-def server_engines(plan: Sequence[NodeSpec]) -> list[str]:
-    """Rollout engines of the plan that are servers (anything but the in-process hf engine)."""
-    return sorted({n.engine for n in plan if n.role == "rollout"} - {"hf"})
+def engines_without(target: WeightTarget, plan: Sequence[NodeSpec]) -> list[str]:
+    """Rollout engines of the plan whose declared `weight_targets` lack ``target``."""
+    from arl.engines.spec import engine_class
+
+    names = {n.engine for n in plan if n.role == "rollout"}
+    return sorted(n for n in names if target not in engine_class(n).weight_targets)
+
+
+def require_weight_target(mode: str, plan: Sequence[NodeSpec], target: WeightTarget) -> None:
+    """Refuse ``mode`` unless every rollout engine of the plan declares ``target``."""
+    from arl.engines.spec import engine_class
+
+    engines = engines_without(target, plan)
+    if engines:
+        accepts = "; ".join(
+            f"{e} accepts only {', '.join(sorted(t.value for t in engine_class(e).weight_targets))}"
+            for e in engines
+        )
+        modes = "disk (or auto)" if target is WeightTarget.TENSORS else "auto"
+        raise ConfigError(
+            f"weight_sync.mode={mode} needs engines that accept weights as {target.value} "
+            f"({accepts}: its weight_targets); use weight_sync.mode={modes} with these engines"
+        )
 
 
 def require_inprocess_engines(mode: str, plan: Sequence[NodeSpec]) -> None:
-    """Modes that copy tensors into the engine work with the hf engine only."""
-    engines = server_engines(plan)
-    if engines:
-        raise ConfigError(
-            f"weight_sync.mode={mode} loads weights into the hf engine only, not {engines}; "
-            "use weight_sync.mode=disk (or auto) with server engines"
-        )
+    """Modes that copy tensors into the engine: every engine accepts `WeightTarget.TENSORS`."""
+    require_weight_target(mode, plan, WeightTarget.TENSORS)
 
 
 def engines_on_rank0_gpu(mode: str, plan: Sequence[NodeSpec]) -> None:

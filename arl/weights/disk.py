@@ -8,10 +8,15 @@ after. The fallback that works with every engine, and the only mode for server e
 from __future__ import annotations
 
 import asyncio
-import inspect
 import shutil
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from arl.weights.base import NodePart, WeightSync
+from arl.engines.base import WeightTarget
+from arl.weights.base import NodePart, WeightSync, require_weight_target
+
+if TYPE_CHECKING:
+    from arl.control.placement import NodeSpec
 
 
 class DiskSync(WeightSync):
@@ -19,6 +24,11 @@ class DiskSync(WeightSync):
 
     mode = "disk"
     auto_rank = 40
+
+    @classmethod
+    def check_plan(cls, plan: Sequence[NodeSpec]) -> None:
+        """Every engine loads a directory."""
+        require_weight_target(cls.mode, plan, WeightTarget.DIRECTORY)
 
     async def setup(self) -> None:
         """Agree on the dtype; place the receivers."""
@@ -47,9 +57,5 @@ class DiskReceiver(NodePart):
     """Rollout node half: the engine's own reload from a folder."""
 
     async def load(self, path: str) -> None:
-        """Reload the engine's weights from ``path`` (engine paused); blocking ones off-loop."""
-        fn = self.host.engine.update_weights_from_disk
-        if inspect.iscoroutinefunction(fn):
-            await fn(path)
-        else:
-            await asyncio.get_running_loop().run_in_executor(None, fn, path)
+        """Reload the engine's weights from ``path`` (engine paused)."""
+        await self.host.update_weights_from_disk(path)

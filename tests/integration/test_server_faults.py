@@ -103,7 +103,7 @@ def test_engine_fails_inflight_and_later_requests_when_its_server_is_killed(tiny
             with pytest.raises(ServerExited):
                 await engine.pause()
         finally:
-            await engine.close()
+            await engine.aclose()
         return pid, str(first.value), str(later.value), str(failure)
 
     pid, first, later, failure = asyncio.run(scenario())
@@ -118,7 +118,7 @@ def test_clean_close_is_not_a_server_failure(tiny_model):
         engine = SGLangEngine(tiny_model, launch_cmd=STANDIN, env=STANDIN_ENV, start_timeout_s=120)
         await engine.start()
         watch = asyncio.create_task(engine.wait_failed())
-        await engine.close()
+        await engine.aclose()
         await asyncio.sleep(0.5)  # longer than the watchdog's poll
         assert not watch.done()
         watch.cancel()

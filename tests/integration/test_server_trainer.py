@@ -38,7 +38,7 @@ def standin_env(monkeypatch):
     return monkeypatch
 
 
-def _sglang_config(tmp_path: Path, model: str):
+def _sglang_config(tmp_path: Path, model: str, *overrides: str):
     return tiny_run_config(
         tmp_path,
         model,
@@ -49,6 +49,7 @@ def _sglang_config(tmp_path: Path, model: str):
         # Rewards that differ within a group, so every step really changes the weights.
         "rollout.reward=tests.support.deterministic:vowel_reward",
         "cluster.allowed_import_prefixes=[arl,tests]",
+        *overrides,
     )
 
 
@@ -62,15 +63,57 @@ def test_sglang_through_the_trainer_generates_with_every_synced_version(
     assert any(r["train/grad_norm"] > 0 for r in rows)
     for r in rows:
         assert r["version"] == r["step"]
-        # The server's log-probs of the probe match the trainer's after each sync.
+        # The server's log-probs of the probe match the trainer's after each sync (the
+        # stand-in computes as the trainer does: no numerics floor).
+        assert r["sync/probe_floor"] == 0.0
         assert r["sync/probe_mean_abs_diff"] <= cfg.weight_sync.verify_tolerance
         assert r["rollout/staleness_max"] <= 1
+
+
+def test_a_sync_interrupts_server_generations_and_their_tokens_switch_version(
+    tmp_path, tiny_model, standin_env
+):
+    """The first sync pauses rollout once the stand-in is generating: those generations are cut,
+    continue after the resume, and step 2 trains them with tokens of versions 0 and 1, which
+    `rollout/version_switches` counts. One batch of groups in flight at a time: with the
+    default (two batches) the next batch's groups start beside the current ones and finish
+    before the trainer's step ends, so no sync finds a generation to cut (0 switches, as the
+    vLLM run above measures)."""
+    from arl.control.rollout import RolloutController
+
+    pause = RolloutController.pause
+    inflight_at_pause: list[int] = []
+
+    async def pause_once_generating(self) -> None:
+        inflight = 0
+        # The first pause waits for a state (requests in flight on a server), not a duration.
+        for _ in range(0 if inflight_at_pause else 1200):
+            healths = await asyncio.gather(*(w.health() for w in self.workers))
+            inflight = sum(h["inflight"] for h in healths)
+            if inflight:
+                break
+            await asyncio.sleep(0.05)
+        inflight_at_pause.append(inflight)
+        await pause(self)
+
+    standin_env.setattr(RolloutController, "pause", pause_once_generating)
+    cfg = _sglang_config(
+        tmp_path, tiny_model, "gconfig.max_new_tokens=256", "rollout.max_concurrent_rollouts=2"
+    )
+    asyncio.run(run(cfg))
+    rows = read_jsonl(cfg.run_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert inflight_at_pause[0] > 0
+    assert rows[0]["rollout/version_switches"] == 0  # generated before any sync
+    assert rows[1]["rollout/version_switches"] > 0
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
 
 
 def test_a_server_that_drops_weight_updates_stops_the_run(tmp_path, tiny_model, standin_env):
     standin_env.setenv(IGNORE_UPDATES_ENV, "1")
     cfg = _sglang_config(tmp_path, tiny_model)
-    with pytest.raises(WeightSyncError, match="does not generate with the weights it was sent"):
+    # Caught at the first sync: the stand-in computes as the trainer does (floor 0).
+    with pytest.raises(WeightSyncError, match="after the sync to version 1, the sglang engine"):
         asyncio.run(run(cfg))
 
 
@@ -114,8 +157,11 @@ def test_vllm_through_the_trainer_generates_with_every_synced_version(tmp_path, 
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["version"] == r["step"] and r["rollout/staleness_max"] <= 1
-        assert r["sync/probe_mean_abs_diff"] <= cfg.weight_sync.verify_tolerance
-    print("probe diffs", [r["sync/probe_mean_abs_diff"] for r in rows])
+        assert r["sync/probe_shift_change"] <= cfg.weight_sync.verify_tolerance
+        assert r["sync/probe_spread_change"] <= cfg.weight_sync.verify_tolerance
+    print("probe floor", rows[0]["sync/probe_floor"])
+    print("probe |diff|", [r["sync/probe_mean_abs_diff"] for r in rows])
+    print("probe shift change", [r["sync/probe_shift_change"] for r in rows])
     print("version switches", [r["rollout/version_switches"] for r in rows])
 
 

@@ -79,7 +79,7 @@ def served(model_dir):
     )
     loop.run(engine.start(), timeout=1600)
     yield loop, engine
-    loop.run(engine.close())  # a no-op if the last test already closed it
+    loop.run(engine.aclose())  # a no-op if the last test already closed it
     loop.close()
 
 
@@ -239,5 +239,5 @@ def test_close_ends_every_server_process(served):
     loop, engine = served
     pid = engine.server.pid
     assert len(process_group_members(pid)) >= 2  # the API server and its engine core
-    loop.run(engine.close())
+    loop.run(engine.aclose())
     assert process_group_members(pid) == []

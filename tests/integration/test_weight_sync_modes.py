@@ -111,7 +111,7 @@ def test_placement_allows_nccl_on_cpu_and_refuses_what_cannot_work():
     plan_placement(_cfg("weight_sync.mode=nccl"), n_gpus=2)
     with pytest.raises(ConfigError, match="use weight_sync.mode=nccl"):
         plan_placement(_cfg("weight_sync.mode=ipc"), n_gpus=2)
-    with pytest.raises(ConfigError, match="hf engine only"):
+    with pytest.raises(ConfigError, match="needs engines that accept weights as tensors"):
         plan_placement(_cfg("weight_sync.mode=nccl", "rollout.backend=sglang:d1"), n_gpus=2)
 
 

@@ -1,8 +1,7 @@
 """A stand-in for an SGLang server, for tests on machines where SGLang cannot run (no CUDA).
 
 It speaks the request and response shapes of SGLang's native HTTP API (``/generate``,
-``/pause_generation``, ``/continue_generation``, ``/update_weights_from_disk``,
-``/init_weights_update_group``, ``/update_weights_from_distributed``, ``/flush_cache``,
+``/pause_generation``, ``/continue_generation``, ``/update_weights_from_disk``, ``/flush_cache``,
 ``/health``, ``/get_load``) and is backed by a real transformers causal LM, so tokens and
 log-probs are real.
 Request bodies are checked strictly: a missing, mistyped or unknown field is a 400, so a client
@@ -13,8 +12,8 @@ Run it as SGLang is run (the same flag names)::
     python -m tests.support.sglang_standin --model-path DIR --host 127.0.0.1 --port P
 
 What it does not model: batching across requests (each request decodes on its own KV cache,
-one step at a time), a radix cache, streaming, tensor parallelism. The distributed weight update
-works for real over a gloo group (``backend="gloo"``); NCCL needs CUDA and is refused.
+one step at a time), a radix cache, streaming, tensor parallelism, the distributed weight update
+(arl does not use it).
 """
 
 from __future__ import annotations
@@ -103,7 +102,6 @@ class StandinServer:
         self.unpaused.set()
         self.drained = asyncio.Event()
         self.drained.set()
-        self.group_ready = False
 
     async def run(self, fn, *args):
         """Run blocking model work on the compute thread."""
@@ -282,83 +280,6 @@ class StandinServer:
         new = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
         self.model.load_state_dict(new.state_dict(), strict=True)
 
-    async def init_group(self, body: dict) -> tuple[dict, int]:
-        schema = {
-            "master_address": str,
-            "master_port": int,
-            "rank_offset": int,
-            "world_size": int,
-            "group_name": str,
-            "backend": str,
-        }
-        required = ("master_address", "master_port", "rank_offset", "world_size")
-        body = _check(body, schema, required, "/init_weights_update_group")
-        backend = body.get("backend", "nccl")
-        if backend == "nccl" and not torch.cuda.is_available():
-            msg = "Failed to init group: backend nccl needs CUDA; the stand-in supports gloo"
-            return {"success": False, "message": msg}, 400
-        import torch.distributed as dist
-
-        def join() -> None:
-            init = f"tcp://{body['master_address']}:{body['master_port']}"
-            # The stand-in is one rank (tp_size 1): its rank is rank_offset.
-            dist.init_process_group(
-                backend, init_method=init, world_size=body["world_size"], rank=body["rank_offset"]
-            )
-
-        # Rendezvous blocks until the trainer joins: keep it off the loop and the compute thread.
-        await asyncio.to_thread(join)
-        self.group_ready = True
-        return {"success": True, "message": "Succeeded to initialize custom process group."}, 200
-
-    async def update_from_distributed(self, body: dict) -> tuple[dict, int]:
-        schema = {
-            "names": list,
-            "dtypes": list,
-            "shapes": list,
-            "group_name": str,
-            "flush_cache": bool,
-            "abort_all_requests": bool,
-            "weight_version": str,
-            "load_format": str,
-        }
-        required = ("names", "dtypes", "shapes")
-        body = _check(body, schema, required, "/update_weights_from_distributed")
-        if not self.group_ready:
-            msg = "Failed to update weights: call /init_weights_update_group first"
-            return {"success": False, "message": msg}, 400
-        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
-        if not len(names) == len(dtypes) == len(shapes):
-            raise BadRequest(
-                "/update_weights_from_distributed: names, dtypes and shapes differ in length"
-            )
-        await self.drained.wait()
-        try:
-            await self.run(self._receive, names, dtypes, shapes)
-        except Exception as exc:  # noqa: BLE001 - reported to the client like SGLang does
-            return {"success": False, "message": f"Failed to update weights: {exc}"}, 400
-        if body.get("weight_version") is not None:
-            self.weight_version = body["weight_version"]
-        return {"success": True, "message": "Succeeded to update parameter online."}, 200
-
-    def _receive(self, names: list, dtypes: list, shapes: list) -> None:
-        import torch.distributed as dist
-
-        received = {}
-        # Receive every tensor before checking names: the sender broadcasts them all anyway,
-        # and stopping early would leave the group out of step.
-        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-            dist.broadcast(tensor, src=0)
-            received[name] = tensor
-        params = dict(self.model.named_parameters())
-        unknown = sorted(set(received) - set(params))
-        if unknown:
-            raise KeyError(f"unknown parameter names {unknown[:5]}")
-        with torch.no_grad():
-            for name, tensor in received.items():
-                params[name].copy_(tensor)
-
     def close(self) -> None:
         self.compute.shutdown(wait=False, cancel_futures=True)
 
@@ -440,8 +361,6 @@ def build_app(server: StandinServer) -> web.Application:
     app.router.add_post("/pause_generation", route(server.pause))
     app.router.add_post("/continue_generation", route(server.continue_))
     app.router.add_post("/update_weights_from_disk", route(server.update_from_disk))
-    app.router.add_post("/init_weights_update_group", route(server.init_group))
-    app.router.add_post("/update_weights_from_distributed", route(server.update_from_distributed))
     return app
 
 

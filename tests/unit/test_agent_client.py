@@ -45,32 +45,17 @@ def tok(tiny):
     return AutoTokenizer.from_pretrained(tiny)
 
 
-class SpyEngine:
+class SpyEngine(HFEngine):
     """The real engine, with every request and answer it handled written down."""
 
-    def __init__(self, engine: HFEngine):
-        self.engine, self.seen = engine, []
-
-    @property
-    def version(self) -> int:
-        return self.engine.version
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen = []
 
     async def agenerate(self, input_ids, sampling):
-        res = await self.engine.agenerate(input_ids, sampling)
+        res = await super().agenerate(input_ids, sampling)
         self.seen.append((list(input_ids), res, sampling))
         return res
-
-    async def pause(self):
-        await self.engine.pause()
-
-    async def resume(self):
-        await self.engine.resume()
-
-    def set_version(self, version: int) -> None:
-        self.engine.set_version(version)
-
-    async def health(self) -> dict:
-        return await self.engine.health()
 
 
 def sampling(tok, **kw) -> SamplingParams:
@@ -82,9 +67,8 @@ def conversation(tiny, tok):
     """Two turns of one conversation (the second extends the first) and one fresh call."""
 
     async def main():
-        with HFEngine(tiny, seed=3) as engine:
-            engine.set_version(5)
-            spy = SpyEngine(engine)
+        with SpyEngine(tiny, seed=3) as spy:
+            spy.set_version(5)
             client = ChatClient(spy, tok, sampling(tok))
             msgs = [{"role": "user", "content": "Say something."}]
             first = await client.chat.completions.create(messages=msgs, temperature=T)

@@ -133,7 +133,7 @@ def test_the_server_process_gets_the_spec_flags(tiny_model):
             cmdline = Path(f"/proc/{engine.server.pid}/cmdline").read_bytes()
             return cmdline.decode().split("\0")
         finally:
-            await engine.close()
+            await engine.aclose()
 
     argv = asyncio.run(scenario())
     assert argv[argv.index("--tp-size") + 1] == "2"

@@ -14,6 +14,7 @@ from arl.engines.hf import (
     EngineClosedError,
     EngineNotPausedError,
     HFEngine,
+    HFEngineError,
     UnknownWeightError,
     checksum_named_tensors,
 )
@@ -254,26 +255,26 @@ def test_update_weights_only_while_paused_and_checksum(
     sp = SamplingParams(max_new_tokens=8, greedy=True)
 
     async def run(engine: HFEngine) -> None:
-        before = engine.weights_checksum()
+        before = await engine.weights_checksum()
         assert before == checksum_named_tensors(model.named_parameters())
         await engine.agenerate(PROMPTS[0], sp)  # the decode thread is running now
         with pytest.raises(EngineNotPausedError):
             engine.update_weights(source)
-        assert engine.weights_checksum() == before
+        assert await engine.weights_checksum() == before
         await engine.pause()
         with pytest.raises(UnknownWeightError):
             engine.update_weights([("no.such.weight", torch.zeros(1))])
         assert engine.update_weights(source) == len(source)
-        after = engine.weights_checksum()
+        after = await engine.weights_checksum()
         assert after != before and after == checksum_named_tensors(source)
         await engine.resume()
         res = await engine.agenerate(PROMPTS[0], sp)
         assert res.output_ids == teacher_forced(new_model, PROMPTS[0], res.output_ids, 1.0)[1]
         # Back to the original weights from an HF folder on disk.
         await engine.pause()
-        engine.update_weights_from_disk(path)
+        await engine.update_weights_from_disk(path)
         await engine.resume()
-        assert engine.weights_checksum() == before
+        assert await engine.weights_checksum() == before
 
     with HFEngine(path) as engine:
         with pytest.raises(EngineNotPausedError):  # not paused, even before the thread starts
@@ -314,3 +315,62 @@ def test_invalid_requests_and_close(tiny: tuple[str, LlamaForCausalLM]) -> None:
     assert thread is not None and not thread.is_alive()
     with pytest.raises(EngineClosedError):
         asyncio.run(engine.agenerate([1], SamplingParams()))
+
+
+def test_score_is_the_models_log_probs_and_follows_weight_updates(
+    tiny: tuple[str, LlamaForCausalLM], tmp_path: Path
+) -> None:
+    path, model = tiny
+    new_model = save_model(tmp_path / "v1", seed=7)
+    seq = PROMPTS[1] + PROMPTS[2]
+
+    async def run(engine: HFEngine) -> tuple[list[float], list[float]]:
+        before = await engine.score(seq)
+        await engine.pause()
+        await engine.update_weights_from_disk(str(tmp_path / "v1"))
+        await engine.resume()
+        return before, await engine.score(seq)
+
+    with HFEngine(path) as engine:
+        before, after = asyncio.run(run(engine))
+    want_before, _ = teacher_forced(model, seq[:1], seq[1:], 1.0)
+    want_after, _ = teacher_forced(new_model, seq[:1], seq[1:], 1.0)
+    assert before == pytest.approx(want_before, abs=1e-5)
+    assert after == pytest.approx(want_after, abs=1e-5)
+    assert max(abs(a - b) for a, b in zip(before, after, strict=True)) > 1e-2
+
+
+def test_wait_failed_returns_when_the_decode_thread_dies(
+    tiny: tuple[str, LlamaForCausalLM],
+) -> None:
+    engine = HFEngine(tiny[0])
+
+    def broken_serve() -> None:
+        raise RuntimeError("a bug in the decode loop")
+
+    engine._serve = broken_serve  # the thread's body: what a bug there would do
+
+    async def run() -> BaseException:
+        watch = asyncio.create_task(engine.wait_failed())
+        with pytest.raises(HFEngineError, match="decode thread died"):
+            await engine.agenerate([1, 2], SamplingParams(max_new_tokens=2))
+        return await asyncio.wait_for(watch, 30)
+
+    failure = asyncio.run(run())
+    assert isinstance(failure, RuntimeError) and "a bug in the decode loop" in str(failure)
+    engine.close()
+
+
+def test_wait_failed_never_returns_after_close(tiny: tuple[str, LlamaForCausalLM]) -> None:
+    async def run() -> bool:
+        engine = HFEngine(tiny[0])
+        await engine.start()
+        watch = asyncio.create_task(engine.wait_failed())
+        await engine.agenerate([1, 2], SamplingParams(max_new_tokens=2))
+        await engine.aclose()
+        await asyncio.sleep(0.2)
+        done = watch.done()
+        watch.cancel()
+        return done
+
+    assert asyncio.run(run()) is False

@@ -13,7 +13,6 @@ import math
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import pytest
 import torch
 
 from arl.engines.base import SamplingParams, generate_to_completion
-from arl.engines.server import ServerError, ServerStartError, free_port
+from arl.engines.server import ServerError, ServerStartError
 from arl.engines.sglang import SGLangEngine
 from arl.process import process_group_members
 from tests.support import LoopThread
@@ -103,7 +102,7 @@ def served(models):
     engine = _engine(models["a"])
     loop.run(engine.start())
     yield loop, engine
-    loop.run(engine.close())
+    loop.run(engine.aclose())
     loop.close()
 
 
@@ -208,63 +207,15 @@ def test_update_weights_from_disk_changes_outputs(served, models):
         loop.run(engine.update_weights_from_disk(str(models["a"] / "missing")))
 
 
-def test_distributed_update_receives_broadcast_weights(served, models):
-    """The trainer side (this process, rank 0) broadcasts model b over gloo to the server."""
-    import torch.distributed as dist
-
-    loop, engine = served
-    port = free_port()
-    params = list(models["ref_b"].named_parameters())
-
-    def trainer() -> None:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0)
-        init_done.wait()
-        for _, tensor in params:
-            dist.broadcast(tensor.detach().contiguous(), src=0)
-
-    init_done = threading.Event()
-
-    async def scenario():
-        side = asyncio.create_task(asyncio.to_thread(trainer))
-        joined = await engine.init_weights_update_group(
-            "127.0.0.1", port, rank_offset=1, world_size=2, backend="gloo"
-        )
-        await engine.pause()
-        update = asyncio.create_task(
-            engine.update_weights_from_distributed(
-                [name for name, _ in params],
-                [t.dtype for _, t in params],
-                [list(t.shape) for _, t in params],
-            )
-        )
-        init_done.set()
-        await side
-        updated = await update
-        await engine.resume()
-        out = await engine.agenerate(PROMPT, SamplingParams(max_new_tokens=16, greedy=True))
-        await engine.pause()  # put model a back for the other tests
-        await engine.update_weights_from_disk(str(models["a"]))
-        await engine.resume()
-        return joined, updated, out
-
-    try:
-        joined, updated, out = loop.run(scenario())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    assert joined["success"] and updated["success"]
-    assert out.output_ids == _greedy(models["ref_b"], PROMPT, 16)
-
-
 def test_standin_rejects_bodies_that_stray_from_sglang(served):
     loop, engine = served
-    body = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
     with pytest.raises(ServerError, match="unknown field 'rank'"):
-        loop.run(engine._request("POST", "/init_weights_update_group", json={**body, "rank": 1}))
-    with pytest.raises(ServerError, match="nccl needs CUDA"):
-        loop.run(engine.init_weights_update_group("127.0.0.1", 1, 1, 2, backend="nccl"))
-    with pytest.raises(ValueError, match="one entry per tensor"):
-        loop.run(engine.update_weights_from_distributed(["w"], [], [[1]]))
+        loop.run(engine._request("POST", "/generate", json={**body, "rank": 1}))
+    with pytest.raises(ServerError, match="unknown field 'bogus'"):
+        loop.run(
+            engine._request("POST", "/generate", json={**body, "sampling_params": {"bogus": 1}})
+        )
 
 
 def test_health_and_flush_cache(served):
@@ -286,7 +237,7 @@ def test_close_ends_every_server_process(models):
         await engine.start()
         pid = engine.server.pid
         assert process_group_members(pid)
-        await engine.close()
+        await engine.aclose()
         return pid, engine
 
     pid, engine = asyncio.run(scenario())

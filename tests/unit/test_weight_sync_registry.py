@@ -38,12 +38,12 @@ def test_auto_picks_the_fastest_mode_the_plan_supports(rollout, train, n_gpus, w
 @pytest.mark.parametrize(
     ("mode", "rollout", "n_gpus", "message"),
     [
-        ("ipc_buffer", "vllm:d1", 0, "hf engine only"),
+        ("ipc_buffer", "vllm:d1", 0, "vllm accepts only directory: its weight_targets"),
         ("ipc_buffer", "hf:d1", 2, "use weight_sync.mode=nccl for engines on other GPUs"),
-        ("ipc_buffer", "sglang:d1", 1, "hf engine only"),
+        ("ipc_buffer", "sglang:d1", 1, "sglang accepts only directory: its weight_targets"),
         ("ipc", "hf:d1", 0, "ipc needs GPUs"),
         ("nccl", "hf:d1", 1, "use weight_sync.mode=ipc_buffer"),
-        ("nccl", "sglang:d1", 2, "hf engine only"),
+        ("nccl", "sglang:d1", 2, "sglang accepts only directory: its weight_targets"),
         ("zmq", "vllm:d1", 0, "use weight_sync.mode=disk"),
     ],
 )

@@ -4,6 +4,7 @@ docstring for the design."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import threading
@@ -11,11 +12,11 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from arl.engines.base import FinishReason, GenerationResult, SamplingParams
+from arl.engines.base import FinishReason, GenerationResult, SamplingParams, WeightTarget
 from arl.engines.hf.attention import cache_kwarg, compile_norm_and_mlp, register_attention
 from arl.engines.hf.errors import (
     EngineClosedError,
@@ -61,6 +62,12 @@ class HFEngine:
     Implements `arl.engines.base.Engine`. One decode thread batches all active requests; weight
     updates (`update_weights`, `update_weights_from_disk`) are allowed only while paused.
     """
+
+    name: ClassVar[str] = "hf"
+    weight_targets: ClassVar[frozenset[WeightTarget]] = frozenset(
+        {WeightTarget.TENSORS, WeightTarget.DIRECTORY}
+    )
+    version: int
 
     def __init__(
         self,
@@ -164,6 +171,7 @@ class HFEngine:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
+        self._failure_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._last_error: str | None = None
         self._steps = 0
         self._generated_tokens = 0
@@ -222,7 +230,7 @@ class HFEngine:
         with self._cv:
             self._raise_if_unusable_locked()
             return {
-                "engine": "hf",
+                "engine": self.name,
                 "running": len(self._rows),
                 "waiting": len(self._pending),
                 "paused": self._paused,
@@ -287,15 +295,65 @@ class HFEngine:
                 torch._foreach_copy_(dsts, srcs)
         return count
 
-    def update_weights_from_disk(self, path: str | Path) -> int:
-        """Load every ``*.safetensors`` file of an HF folder (or one file) into the model."""
-        return self.update_weights(iter_safetensors(Path(path)))
+    async def update_weights_from_disk(self, path: str) -> None:
+        """Load every ``*.safetensors`` file of an HF folder (or one file) into the model
+        (paused; the reading and copying run off the event loop)."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, lambda: self.update_weights(iter_safetensors(Path(path))))
 
-    def weights_checksum(self) -> str:
+    @property
+    def weights_device(self) -> torch.device:
+        """The device `update_weights` copies onto: the model's."""
+        return self.device
+
+    async def weights_checksum(self) -> str:
         """`checksum_named_tensors` over the model's state dict (tied aliases included, as the
-        trainer's full state dict has them)."""
-        with self._model_lock:
-            return checksum_named_tensors(self._model.state_dict().items())
+        trainer's full state dict has them); computed off the event loop."""
+
+        def checksum() -> str:
+            with self._model_lock:
+                return checksum_named_tensors(self._model.state_dict().items())
+
+        return await asyncio.get_running_loop().run_in_executor(None, checksum)
+
+    async def score(self, token_ids: list[int]) -> list[float]:
+        """Log-probs (temperature 1) of ``token_ids[1:]``, each given the tokens before it, from
+        one causal forward between decode steps (off the event loop)."""
+        ids = [int(t) for t in token_ids]
+        if len(ids) < 2:
+            raise ValueError(f"score needs at least two token ids, got {len(ids)}")
+
+        def forward() -> list[float]:
+            tokens = torch.tensor([ids], device=self.device)
+            with self._model_lock, torch.no_grad():
+                logits = self._model(input_ids=tokens, use_cache=False).logits[0, :-1]
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            return logp.gather(1, tokens[0, 1:, None])[:, 0].cpu().tolist()
+
+        with self._cv:
+            self._raise_if_unusable_locked()
+        return await asyncio.get_running_loop().run_in_executor(None, forward)
+
+    async def start(self) -> None:
+        """Nothing to start: the model loaded in the constructor and the decode thread starts
+        with the first request. Raises if the engine is closed or its thread died."""
+        with self._cv:
+            self._raise_if_unusable_locked()
+
+    async def wait_failed(self) -> BaseException:
+        """Wait until the decode thread dies of a bug and return why (a failed step fails only
+        its requests; never returns after `close`)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._cv:
+            if self._failure is not None:
+                return self._failure
+            self._failure_waiters.append((loop, fut))
+        return await fut
+
+    async def aclose(self) -> None:
+        """`close` off the event loop (it waits for the current decode step)."""
+        await asyncio.get_running_loop().run_in_executor(None, self.close)
 
     def close(self) -> None:
         """End the decode thread (after its current step) and fail requests still queued."""
@@ -427,6 +485,10 @@ class HFEngine:
             logger.exception("hf engine decode thread died")
             with self._cv:
                 self._failure = exc
+                for loop, fut in self._failure_waiters:
+                    with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits
+                        loop.call_soon_threadsafe(settle, fut, exc, None)
+                self._failure_waiters.clear()
                 leftovers = list(self._pending) + self._rows
                 self._pending.clear()
                 self._rows = []

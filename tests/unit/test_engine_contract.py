@@ -1,0 +1,95 @@
+"""Every registered engine class implements the whole `Engine` protocol, as declared."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from arl.engines.base import Engine, WeightTarget, WeightTargetError
+from arl.engines.hf import HFEngine
+from arl.engines.spec import ENGINES, engine_class
+
+DATA_MEMBERS = ("name", "weight_targets", "version")
+
+
+def protocol_methods() -> dict[str, object]:
+    """The protocol's methods and properties by name (its data members are `DATA_MEMBERS`)."""
+    return {
+        n: v
+        for n, v in vars(Engine).items()
+        if not n.startswith("_") and (callable(v) or isinstance(v, (property, classmethod)))
+    }
+
+
+def _function(member: object) -> object:
+    return member.__func__ if isinstance(member, classmethod) else member
+
+
+def contract_gaps(cls: type) -> list[str]:
+    """What ``cls`` lacks of the protocol, or gets wrong (a sync method for an async one)."""
+    gaps = []
+    annotated = {n for k in cls.__mro__ for n in vars(k).get("__annotations__", {})}
+    for n in DATA_MEMBERS:
+        if n not in annotated and not hasattr(cls, n):
+            gaps.append(f"{n}: missing")
+    for n, member in protocol_methods().items():
+        got = inspect.getattr_static(cls, n, None)
+        if got is None and n not in annotated:
+            gaps.append(f"{n}: missing")
+        elif not isinstance(member, property):
+            member, got = _function(member), _function(got)
+            if not callable(got):
+                gaps.append(f"{n}: not a method")
+            elif inspect.iscoroutinefunction(member) != inspect.iscoroutinefunction(got):
+                want = "async" if inspect.iscoroutinefunction(member) else "sync"
+                gaps.append(f"{n}: must be {want}")
+    return gaps
+
+
+def test_the_protocol_lists_the_whole_contract() -> None:
+    names = set(protocol_methods()) | set(DATA_MEMBERS)
+    assert names == {
+        *("name", "weight_targets", "version", "start", "aclose", "wait_failed", "agenerate"),
+        *("pause", "resume", "set_version", "health", "weights_device", "update_weights"),
+        *("update_weights_from_disk", "weights_checksum", "score", "from_spec"),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(ENGINES))
+def test_every_registered_engine_implements_the_contract(name: str) -> None:
+    cls = engine_class(name)
+    assert contract_gaps(cls) == []
+    assert cls.name == name
+    assert cls.weight_targets and all(isinstance(t, WeightTarget) for t in cls.weight_targets)
+
+
+@pytest.mark.parametrize("member", [*sorted(protocol_methods()), "weight_targets"])
+def test_an_engine_lacking_a_member_is_caught(member: str) -> None:
+    """The check above would fail for an engine without any one member."""
+    attrs = {n: getattr(HFEngine, n) for n in [*protocol_methods(), "name", "weight_targets"]}
+    del attrs[member]
+    lacking = type("Lacking", (), {"__annotations__": {"version": int}, **attrs})
+    assert contract_gaps(lacking) == [f"{member}: missing"]
+
+
+def test_a_sync_method_where_the_contract_is_async_is_caught() -> None:
+    class SyncClose(HFEngine):
+        def aclose(self) -> None:  # type: ignore[override]
+            self.close()
+
+    assert contract_gaps(SyncClose) == ["aclose: must be async"]
+
+
+def test_declared_weight_targets() -> None:
+    assert engine_class("hf").weight_targets == {WeightTarget.TENSORS, WeightTarget.DIRECTORY}
+    assert engine_class("vllm").weight_targets == {WeightTarget.DIRECTORY}
+    assert engine_class("sglang").weight_targets == {WeightTarget.DIRECTORY}
+
+
+def test_an_undeclared_target_is_refused_naming_what_the_engine_accepts() -> None:
+    engine = engine_class("sglang")("/nonexistent/model")  # built, not started: no process
+    with pytest.raises(WeightTargetError, match=r"sglang engine does not take weights as tensors"):
+        engine.update_weights([])
+    with pytest.raises(WeightTargetError, match=r"it accepts: directory"):
+        engine.update_weights([])
