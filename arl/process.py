@@ -32,13 +32,14 @@ from pathlib import Path
 from typing import IO, Any
 
 _POLL_S = 0.05
+_PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h): the signal a child gets when its parent dies
 
 
 # Run as ``python -I -c _SET_DEATH_SIGNAL PARENT_PID CMD ARGS...``: sets SIGTERM as the
 # parent-death signal, exits if the parent already died, then becomes CMD (same pid).
 _SET_DEATH_SIGNAL = (
     "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
+    f"ctypes.CDLL(None, use_errno=True).prctl({_PR_SET_PDEATHSIG}, signal.SIGTERM)\n"
     "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
     "os.execvp(sys.argv[2], sys.argv[2:])\n"
 )
