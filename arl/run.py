@@ -2,7 +2,8 @@
 
 ``python -m arl.launch`` places the config once and hands the plan here, through
 `arl.supervisor.supervise`; an embedding program or a test may call `run` directly (without a
-plan it places the config on the GPUs torch sees). This module never imports the CLI.
+plan it places the config on ``cluster.n_gpus``, or the GPUs torch sees). This module never
+imports the CLI.
 """
 
 from __future__ import annotations

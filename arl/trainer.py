@@ -188,6 +188,9 @@ class PPOTrainer:
         self.weight_sync = self._make_weight_sync()
         self.rollout.tracer = self.tracer
         self.tracer.declare("trainer", *(p.handle.node_id for p in self.cluster.nodes))
+        if cfg.weight_sync.verify:
+            # Before any sync, a recovery's included: both sides hold the model's weights.
+            await self._measure_probe_floor()
         state = self.saver.latest() if cfg.recover.mode == "auto" else None
         if state is not None:
             await self._restore(state)
@@ -223,7 +226,8 @@ class PPOTrainer:
                 longest = cfg.data.max_prompt_len + cfg.gconfig.max_new_tokens + 1
                 options = {"max_batch_size": max(1, min(512, per_engine))}
                 options["max_seq_len"] = max(2048, longest)
-                # Decode graphs for every batch size up to that length are captured at start.
+                # Decode graphs for every batch size up to that length are captured at start, with
+                # the cache at its full size (rows x length; lazily grown if that does not fit).
                 options["warm_up_len"] = longest
             w = await p.handle.create(
                 "arl.node.rollout:RolloutWorker",
@@ -297,8 +301,6 @@ class PPOTrainer:
         # The train ranks' one-time costs (and compilation) run while the first batch generates.
         warm = asyncio.ensure_future(self.ranks.warm_up())
         try:
-            if cfg.weight_sync.verify:
-                await self._measure_probe_floor()
             await self._loop(total, warm)
         finally:
             if not warm.done():
@@ -523,6 +525,8 @@ class PPOTrainer:
         self.rollout.load_state_dict(state.rollout)
         # The engines start from the original weights: sync the recovered ones in.
         await self.weight_sync.sync(self.version)
+        if self.cfg.weight_sync.verify:
+            await self.verify_weights()
 
     def _filter(self) -> Any:
         """The ``rollout.filter`` accept function, or None to accept every group."""

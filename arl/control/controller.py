@@ -307,7 +307,7 @@ class Controller:
         if node is None and msg.op == "event" and msg.method == "loop_stalled":
             self._on_stall_report(identity, msg.args)
             return
-        if node is None:  # _recv_loop counts it in dropped (once: not here as well)
+        if node is None:  # _recv_loop counts it in dropped
             raise WireError(f"{msg.op!r} from a peer that has not said hello")
         node.last_seen = time.monotonic()
         if msg.op in ("ok", "err"):

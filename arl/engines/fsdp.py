@@ -303,11 +303,6 @@ def _load_sharded(
     if compute_dtype != torch.float32 and trainable:
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     kwargs = {"mesh": mesh} | ({"mp_policy": mp} if mp is not None else {})
-    if mesh.size() == 1:
-        # One rank: a shard is the whole tensor, so resharding after forward frees nothing and
-        # costs a gather (copy and cast of every layer) in the backward and in each later
-        # forward; the gathered bf16 layers stay until the backward reshards them.
-        kwargs["reshard_after_forward"] = False
     # HF lists its decoder-layer classes in _no_split_modules: one FSDP unit per layer bounds
     # the all-gathered memory to one layer at a time. One rank gathers nothing (its shard is
     # the whole model), so there the root is the only unit: one copy and cast per pass instead

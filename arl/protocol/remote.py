@@ -257,12 +257,16 @@ class RolloutWorkerAPI(Protocol):
         """Stamp tokens generated from now on with ``version``."""
         ...
 
-    async def weights_checksum(self) -> str:
-        """The engine's weight checksum."""
+    async def weights_checksum(self) -> str | None:
+        """The engine's weight checksum, or None where it cannot compute one."""
         ...
 
     async def score(self, token_ids: list[int]) -> list[float]:
         """A server engine's log-probs of ``token_ids[1:]``."""
+        ...
+
+    async def health(self) -> dict:
+        """The engine's health plus the worker's counters."""
         ...
 
 
@@ -318,9 +322,19 @@ class RolloutWorkerClient:
         """Stamp new tokens with ``version``."""
         await self.call("set_version", version)
 
-    async def weights_checksum(self) -> str:
-        """The engine's weight checksum."""
-        return str(await self.call("weights_checksum"))
+    async def weights_checksum(self) -> str | None:
+        """The engine's weight checksum, or None where it cannot compute one."""
+        got = await self.call("weights_checksum")
+        if got is not None and not isinstance(got, str):
+            raise StatsError(f"weights_checksum must answer a string or None, got {got!r}")
+        return got
+
+    async def health(self) -> dict:
+        """The engine's health plus the worker's counters."""
+        got = await self.call("health")
+        if not isinstance(got, dict):
+            raise StatsError(f"health must answer a map, got {type(got).__name__}")
+        return got
 
     async def score(self, token_ids: list[int]) -> list[float]:
         """A server engine's log-probs of ``token_ids[1:]``."""

@@ -184,8 +184,8 @@ def report_from_wire(d: Any) -> GroupReport | RejectedGroup:
     key = _field(d, "key", _STR)
     failed = _field(d, "failed_samples", _INT, 0)
     seconds = float(_field(d, "seconds", _NUM, 0.0))
-    data_id = _field(d, "data_id", _STR, "")
     if d.get("rejected"):
+        data_id = _field(d, "data_id", _STR, "")
         return RejectedGroup(key, _field(d, "reason", _STR), failed, seconds, data_id)
     group_size = _field(d, "group_size", _INT)
     n_gen_tokens = _field(d, "n_gen_tokens", _INT)

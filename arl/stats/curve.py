@@ -61,7 +61,10 @@ def _table(points: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m arl.stats.curve", description=curve.__doc__)
+    """Print a run's curve as a table (and write it as JSON with ``--out``); exit status."""
+    p = argparse.ArgumentParser(
+        prog="python -m arl.stats.curve", description=__doc__.split("\n", 1)[0]
+    )
     p.add_argument("metrics", type=Path, help="a run's metrics.jsonl")
     p.add_argument("--out", type=Path, default=None, help="also write the points as JSON here")
     args = p.parse_args(argv)

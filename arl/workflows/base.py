@@ -77,6 +77,7 @@ class WorkflowFactory(Protocol):
         n_samples: int,
         max_prompt_len: int,
         prompt_overflow: str,
+        **settings: Any,
     ) -> Workflow: ...
 
 

@@ -18,7 +18,7 @@ import pytest
 from arl.run import run
 from arl.stats.logger import read_jsonl
 from arl.weights import WeightSyncError
-from tests.support.sglang_standin import IGNORE_UPDATES_ENV
+from tests.support.sglang_standin import IGNORE_UPDATES_ENV, TOKEN_DELAY_ENV
 from tests.support.tiny_model import make_tiny_model, tiny_run_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -97,6 +97,8 @@ def test_a_sync_interrupts_server_generations_and_their_tokens_switch_version(
         await pause(self)
 
     standin_env.setattr(RolloutController, "pause", pause_once_generating)
+    # 0.1 s a token: a group of the next batch outlasts a training step of the tiny model.
+    standin_env.setenv(TOKEN_DELAY_ENV, "0.1")
     cfg = _sglang_config(
         tmp_path, tiny_model, "gconfig.max_new_tokens=256", "rollout.max_concurrent_rollouts=2"
     )

@@ -33,6 +33,9 @@ from aiohttp import web
 log = logging.getLogger("sglang_standin")
 # Set: /update_weights_from_disk answers success and loads nothing (a server that drops updates).
 IGNORE_UPDATES_ENV = "ARL_STANDIN_IGNORE_WEIGHT_UPDATES"
+# Seconds to wait after each generated token: a slower server (for tests that need generations
+# still running when the trainer reaches its next sync, whatever the machine's speed).
+TOKEN_DELAY_ENV = "ARL_STANDIN_TOKEN_DELAY_S"
 
 _SAMPLING_KEYS = {
     "max_new_tokens": int,
@@ -102,6 +105,7 @@ class StandinServer:
         self.unpaused.set()
         self.drained = asyncio.Event()
         self.drained.set()
+        self.token_delay_s = float(os.environ.get(TOKEN_DELAY_ENV, "0"))
 
     async def run(self, fn, *args):
         """Run blocking model work on the compute thread."""
@@ -181,6 +185,8 @@ class StandinServer:
             logprobs.append(lp)
             state["tokens"] += 1
             next_input = [token]
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
             if token in stop_ids:
                 return out_ids, logprobs, {"type": "stop", "matched": token}
 

@@ -89,7 +89,6 @@ def test_declared_weight_targets() -> None:
 
 def test_an_undeclared_target_is_refused_naming_what_the_engine_accepts() -> None:
     engine = engine_class("sglang")("/nonexistent/model")  # built, not started: no process
-    with pytest.raises(WeightTargetError, match=r"sglang engine does not take weights as tensors"):
+    with pytest.raises(WeightTargetError, match=r"does not take weights as tensors") as err:
         engine.update_weights([])
-    with pytest.raises(WeightTargetError, match=r"it accepts: directory"):
-        engine.update_weights([])
+    assert "sglang engine" in str(err.value) and "it accepts: directory" in str(err.value)

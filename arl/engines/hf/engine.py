@@ -466,7 +466,10 @@ class HFEngine:
                 self._last_error = f"CUDA graph capture failed: {exc!r}"
                 self.cuda_graphs = False
                 self._graphs.clear()
+                self._cache.free()
         self.warm_up_s = time.perf_counter() - t0
+        if not self._graphs:
+            return  # fell back above, and said so
         logger.info(
             "hf engine: %d decode graphs (rows up to %d, KV widths up to %d) in %.1f s",
             len(self._graphs),
