@@ -28,7 +28,7 @@ async def _wait_for(caplog, n: int, timeout: float = 20.0) -> None:
         await asyncio.sleep(0.1)
 
 
-def test_wrong_secret_no_secret_and_garbage_are_logged_with_their_address(caplog):
+def test_wrong_secret_no_secret_and_garbage_are_logged_with_their_reasons(caplog):
     caplog.set_level(logging.WARNING, logger="arl.wire")
 
     async def main() -> str:
@@ -63,10 +63,11 @@ def test_wrong_secret_no_secret_and_garbage_are_logged_with_their_address(caplog
         ln.startswith("refused a connection from 127.0.0.1:") and "wrong run secret" in ln
         for ln in lines
     ), lines
-    assert any(
-        ln.startswith("refused a connection from 127.0.0.1:") and "no run secret" in ln
-        for ln in lines
-    ), lines
+    # libzmq names a connection only by its descriptor, read by the watcher thread after the
+    # fact: a peer without the secret is refused at once, and on a loaded machine its
+    # descriptor can be closed before the watcher reads it; the line then says so.
+    from_bare = ("refused a connection from 127.0.0.1:", "refused a connection from an address")
+    assert any(ln.startswith(from_bare) and "no run secret" in ln for ln in lines), lines
     assert len(lines) >= 3, lines
     assert all(f"to {address}: " in ln for ln in lines)
 
