@@ -181,8 +181,8 @@ def test_trainer_runs_the_tool_agent_multi_turn(tmp_path, tool_model):
         "data.max_prompt_len=512",
         f"gconfig.max_new_tokens={max_new}",
         # Sampling cool enough that the taught conversation replays; a small step keeps it.
-        "gconfig.temperature=0.3",
-        "actor.temperature=0.3",
+        "gconfig.temperature=0.1",
+        "actor.temperature=0.1",
         "actor.lr=1e-5",
         "actor.max_tokens_per_mb=1024",
         "rollout.workflow=arl.workflows.agent:AgentWorkflow",
