@@ -64,8 +64,9 @@ class WorkflowFactory(Protocol):
     """What ``rollout.workflow`` names: called once per rollout node to build its workflow.
 
     ``reward_fn(text, data)`` is ``rollout.reward``; ``sampling`` and ``n_samples`` are the
-    training defaults; extra keyword arguments come from the workflow's own settings (the agent
-    workflow's ``agent``, ``trajectory``, ``turn_discount``).
+    training defaults. A workflow with settings of its own takes them as further keyword
+    arguments beyond these (the agent workflow's ``agent``, ``trajectory``, ``turn_discount``,
+    from ``rollout.agent*``); the node passes them only to that workflow.
     """
 
     def __call__(
@@ -77,7 +78,6 @@ class WorkflowFactory(Protocol):
         n_samples: int,
         max_prompt_len: int,
         prompt_overflow: str,
-        **settings: Any,
     ) -> Workflow: ...
 
 

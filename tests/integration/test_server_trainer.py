@@ -134,6 +134,10 @@ def _vllm_config(tmp_path: Path, python: str, *overrides: str):
         "gconfig.n_samples=4",
         "actor.max_tokens_per_mb=2048",
         "cluster.heartbeat_timeout=120",
+        # Rewards that differ within a group: every step changes the weights (with arith's
+        # reward a group can score all 0 and the step leave the weights as they were).
+        "rollout.reward=tests.support.deterministic:vowel_reward",
+        "cluster.allowed_import_prefixes=[arl,tests]",
         *overrides,
     )
 
