@@ -111,12 +111,9 @@ class DecodeGraphs:
             for _ in range(2):
                 eager = forward(rows, width)
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        if self._out is None or self._out.shape[0] < rows or self._out.dtype != eager.dtype:
-            # Outside the pool: graphs captured before a larger buffer keep reading the old one.
-            self._graphs.clear()
-            self._pool = None
-            cap = max(rows, cache.max_rows)
-            self._out = torch.empty((cap, eager.shape[-1]), dtype=eager.dtype, device=self.device)
+        if self._out is None:  # outside the pool, sized for every row bucket (rows <= max_rows)
+            shape = (cache.max_rows, eager.shape[-1])
+            self._out = torch.empty(shape, dtype=eager.dtype, device=self.device)
         del eager
         if self._generation != cache.generation:
             # Destroying the graphs releases their memory pool; its handle cannot be reused.
