@@ -224,6 +224,12 @@ class ActorConfig:
     use_decoupled_loss: bool = _f(
         True, "decoupled PPO: ratio against proximal log-probs, weighted by exp(prox - behave)"
     )
+    prox_logp: Literal["auto", "pass"] = _f(
+        "auto",
+        "decoupled loss, proximal log-probs: auto takes them from the update's own forward "
+        "(detached) when that is the same computation as a separate pass (one minibatch, no "
+        "KL), else runs a no-grad pass before the update; pass always runs the pass",
+    )
     behav_imp_weight_cap: float | None = _f(5.0, "cap on the behaviour importance weight")
     rejection: Literal["none", "token_mask", "seq_mask", "token_clamp"] = _f(
         "none", "rejection sampling of tokens or sequences whose ratio is out of bounds"
@@ -232,6 +238,22 @@ class ActorConfig:
     kl_estimator: Literal["k1", "k2", "k3"] = _f("k1", "KL estimator")
     discount: float = _f(1.0, "GAE discount gamma")
     gae_lambda: float = _f(1.0, "GAE lambda")
+
+    def prox_in_update(self) -> bool:
+        """Whether the decoupled loss takes its proximal log-probs from the update's forward.
+
+        With one optimizer step per training step the proximal policy is the one the update
+        starts from, and gradient accumulation does not move the weights between micro-batches:
+        the update's log-probs, detached, are what a separate pass would compute. More
+        minibatches start later ones from moved weights, and KL rewards need the proximal
+        log-probs before the advantages, so those keep the pass.
+        """
+        return (
+            self.use_decoupled_loss
+            and self.prox_logp == "auto"
+            and self.ppo_n_minibatches == 1
+            and self.kl_ctl == 0
+        )
 
 
 @attrs.define(kw_only=True)

@@ -5,7 +5,9 @@ Rollout runs all the time in the background (`RolloutController`); each training
 1. takes ``data.batch_size`` accepted prompt groups, oldest first, as an RTensor (metadata only);
 2. splits it across the train ranks by token count; each rank pulls its shards from the
    rollout nodes directly;
-3. recomputes proximal log-probs (and reference log-probs with KL), advantages, the PPO update;
+3. advantages and the PPO update; proximal log-probs come from the update's own forward, or
+   from a pass before it where they differ (more minibatches, KL; `ActorConfig.prox_in_update`),
+   as do reference log-probs with KL;
 4. syncs weights into the rollout engines (pause -> transfer -> version + 1 -> resume);
 5. logs metrics, evaluates and checkpoints when due, and frees the step's shards everywhere.
 """
@@ -357,7 +359,7 @@ class PPOTrainer:
         parts, _ = dispatch(batch, len(self.train_workers))
         loaded = await self.ranks.load_batch(parts)
         t1 = time.monotonic()
-        if cfg.actor.use_decoupled_loss:
+        if cfg.actor.use_decoupled_loss and not cfg.actor.prox_in_update():
             await self.ranks.compute_logp()
         if cfg.actor.kl_ctl > 0:
             await self.ranks.compute_ref_logp()
@@ -370,7 +372,7 @@ class PPOTrainer:
         out["batch/n_tokens"] = sum(r.n_tokens for r in loaded)
         out["batch/n_seqs"] = sum(r.n_seqs for r in loaded)
         # The phases of train_s: pulling and concatenating the shards, the log-prob passes
-        # (proximal and reference), advantages plus the update.
+        # (proximal where not in the update, and reference), advantages plus the update.
         out["time/load_batch_s"] = t1 - t0
         out["time/logp_s"] = t2 - t1
         out["time/update_s"] = time.monotonic() - t2

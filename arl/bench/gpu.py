@@ -353,7 +353,8 @@ def synthetic_train_batch(
 
 
 def run_train(args: argparse.Namespace, path: str, floors: dict) -> list[dict]:
-    """FSDP2 tokens/s and MFU of compute_logp and the update, per variant (``--train-variants``:
+    """FSDP2 tokens/s and MFU of compute_logp, the update, and the step as the trainer runs it
+    (the update alone where it gives the proximal log-probs), per variant (``--train-variants``:
     ``padded`` is the layout as before issue 16, fixed 8192-token micro-batches; ``packed``
     packs rows with varlen attention and sizes micro-batches from free memory; ``+compile``
     compiles the decoder layers), and the largest log-prob difference against the first."""
@@ -378,13 +379,17 @@ def run_train(args: argparse.Namespace, path: str, floors: dict) -> list[dict]:
         diff = float((logp - ref).abs().max())
         m_logp = 2 * n_params * tokens / r["t_logp"] / peak
         m_upd = 6 * n_params * tokens / r["t_upd"] / peak
-        m_all = 8 * n_params * tokens / (r["t_logp"] + r["t_upd"]) / peak
+        # The whole step as the trainer runs it: the update alone where its forward gives the
+        # proximal log-probs (ActorConfig.prox_in_update, the default), else pass + update.
+        t_step = r["t_upd"] if r["prox_in_update"] else r["t_logp"] + r["t_upd"]
+        m_all = (6 if r["prox_in_update"] else 8) * n_params * tokens / t_step / peak
         row = {
             "variant": variant,
             "tokens": tokens,
             "logp_tok_s": tokens / r["t_logp"],
             "update_tok_s": tokens / r["t_upd"],
-            "step_tok_s": tokens / (r["t_logp"] + r["t_upd"]),
+            "step_tok_s": tokens / t_step,
+            "prox_in_update": r["prox_in_update"],
             "mfu_logp": m_logp,
             "mfu_update": m_upd,
             "mfu_step": m_all,
@@ -427,7 +432,7 @@ def _train_variant(
             _sync()
             t0 = time.perf_counter()
             logp = eng.compute_logp(batch)
-            b = dict(batch, prox_logp=logp)
+            b = batch if cfg.prox_in_update() else dict(batch, prox_logp=logp)
             _sync()
             t1 = time.perf_counter()
             eng.ppo_update(eng.compute_advantages(b))
@@ -444,6 +449,7 @@ def _train_variant(
         eng.destroy()
         torch.cuda.empty_cache()
     out = {"t_logp": statistics.median(t_logp), "t_upd": statistics.median(t_upd)}
+    out["prox_in_update"] = cfg.prox_in_update()
     return out | {"first": first, "peak_mem": peak_mem}, logp
 
 

@@ -529,17 +529,19 @@ class FSDPEngine:
         """``ppo_n_minibatches`` optimizer steps over token-balanced mini-batches of the batch.
 
         Needs ``advantages`` (compute_advantages) and, for the decoupled loss, ``prox_logp``
-        (compute_logp before the update). A non-finite gradient norm skips that step.
+        (compute_logp before the update) unless ``cfg.prox_in_update()``: then the update's own
+        forward gives them. A non-finite gradient norm skips that step.
         Returns loss, grad_norm, lr, clip_frac, entropy, approx_kl, kl (to the reference),
         n_tokens, skipped (steps skipped), and importance-weight stats.
         """
         _require(batch, ("input_ids", "attention_mask", "loss_mask", "logprobs", "advantages"))
-        if self.cfg.use_decoupled_loss:
+        if self.cfg.use_decoupled_loss and not self.cfg.prox_in_update():
             _require(
                 batch,
                 ("prox_logp",),
-                "use_decoupled_loss needs batch['prox_logp'] = "
-                "compute_logp(batch) computed before the update",
+                "use_decoupled_loss needs batch['prox_logp'] = compute_logp(batch) computed "
+                f"before the update (ppo_n_minibatches={self.cfg.ppo_n_minibatches}, "
+                f"kl_ctl={self.cfg.kl_ctl}, prox_logp={self.cfg.prox_logp!r})",
             )
         parts = balanced_partition(seq_lengths(batch), self.cfg.ppo_n_minibatches)
         results = [self._train_minibatch(select_rows(batch, rows)) for rows in parts]
@@ -616,11 +618,19 @@ class FSDPEngine:
     def _loss(
         self, logp: torch.Tensor, mb: Mapping[str, torch.Tensor], n_tokens: float
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """`ppo_loss` of one micro-batch with this engine's settings (old = proximal if known)."""
+        """`ppo_loss` of one micro-batch with this engine's settings: the ratio against the
+        proximal log-probs (the pass's, else this forward's detached when `prox_in_update`), or
+        against the behaviour log-probs without the decoupled loss."""
         cfg = self.cfg
+        if "prox_logp" in mb:
+            old = mb["prox_logp"]
+        elif cfg.use_decoupled_loss and cfg.prox_in_update():
+            old = logp.detach()
+        else:
+            old = mb["logprobs"]
         return ppo_loss(
             logp,
-            mb["prox_logp"] if "prox_logp" in mb else mb["logprobs"],
+            old,
             mb["advantages"],
             mb["loss_mask"],
             eps_clip=cfg.eps_clip,

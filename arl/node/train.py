@@ -2,8 +2,9 @@
 
 The controller creates one `TrainWorker` per rank and drives a step as a few calls that every
 rank runs together (they share collectives, so the node runs them on its engine thread in call
-order): ``load_batch(rtensor)`` (the node pulls this rank's shards first), ``compute_logp``,
-``compute_ref_logp``, ``compute_advantages``, ``ppo_update``. Between calls the batch stays
+order): ``load_batch(rtensor)`` (the node pulls this rank's shards first), ``compute_logp``
+(where the update's forward does not give the proximal log-probs), ``compute_ref_logp`` (with
+KL), ``compute_advantages``, ``ppo_update``. Between calls the batch stays
 here; only small statistics travel back.
 """
 

@@ -86,7 +86,8 @@ def rank_main(spec: dict) -> None:
     )
     shards = make_shards(spec["data_seed"])
     batch = concat_shards([shards[i] for i in spec["shards_of_rank"][rank]])
-    batch["prox_logp"] = eng.compute_logp(batch)
+    if not spec.get("prox_in_update"):
+        batch["prox_logp"] = eng.compute_logp(batch)
     if eng.cfg.kl_ctl > 0:
         batch["ref_logp"] = eng.compute_ref_logp(batch)
     batch = eng.compute_advantages(batch)
@@ -297,6 +298,43 @@ def test_deterministic_step(tmp_path):
     assert st["n_tokens"] == 79.0
     assert st["loss"] == pytest.approx(0.006327033042907715, rel=1e-5, abs=1e-7)
     assert st["grad_norm"] == pytest.approx(1.8276162147521973, rel=1e-5)
+
+
+def test_proximal_log_probs_from_the_update_equal_a_separate_pass(tmp_path):
+    """One minibatch, no KL: the update's detached log-probs stand in for compute_logp's."""
+    model = save_tiny_llama(tmp_path / "model", seed=0)
+    # Rejection on and a tight cap: the importance weights exp(prox - behave) shape the loss.
+    actor = {"path": str(model), "lr": 1e-3, "rejection": "token_mask", "behav_imp_weight_cap": 1.2}
+    base = {"actor": actor, "data_seed": 5, "shards_of_rank": [[0, 1, 2, 3]]}
+    (by_pass,) = run_ranks(base, 1, tmp_path / "pass")
+    (in_update,) = run_ranks({**base, "prox_in_update": True}, 1, tmp_path / "update")
+    a, b = by_pass["stats"], in_update["stats"]
+    assert 0 < a["rejected_frac"] < 1 and a["imp_weight_mean"] != 1.0  # not vacuous
+    for k in ("loss", "grad_norm", "imp_weight_mean", "rejected_frac", "clip_frac", "n_tokens"):
+        assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), k
+    w_pass = load_file(str(tmp_path / "pass" / "weights.safetensors"))
+    w_upd = load_file(str(tmp_path / "update" / "weights.safetensors"))
+    for k in w_pass:
+        assert torch.allclose(w_pass[k], w_upd[k], rtol=0, atol=1e-6), k
+
+
+def test_update_without_proximal_log_probs_names_the_pass_it_needs(tmp_path):
+    """With two minibatches the second starts from moved weights: the pass is required."""
+    from arl.algo.packing import concat_shards
+    from arl.config import ActorConfig
+    from arl.engines.fsdp import FSDPEngine
+
+    model = save_tiny_llama(tmp_path / "model", seed=0)
+    cfg = ActorConfig(path=str(model), lr=1e-3, ppo_n_minibatches=2)
+    assert not cfg.prox_in_update() and ActorConfig(path=str(model)).prox_in_update()
+    eng = FSDPEngine(cfg, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}")
+    try:
+        batch = eng.compute_advantages(concat_shards(make_shards(5)))
+        with pytest.raises(KeyError, match=r"prox_logp.*ppo_n_minibatches=2"):
+            eng.ppo_update(batch)
+        assert eng.get_step() == 0
+    finally:
+        eng.destroy()
 
 
 @pytest.mark.parametrize(
