@@ -419,20 +419,23 @@ class FSDPEngine:
         self.warm_up_s = 0.0
 
     def warm_up(self) -> float:
-        """A forward with backward and one without on a small packed batch, gradients dropped:
-        the first passes' one-time costs (kernel selection, allocator growth, and with
-        ``actor.compile`` the compilation, dynamic in the token count so one shape serves all)
-        are paid here, which the trainer overlaps with the first rollout. Collective; returns
-        the seconds it took (``warm_up_s``; the start-up cost of ``actor.compile``)."""
+        """Forwards with backward and without on two small packed batches of different
+        shapes, gradients dropped: the first passes' one-time costs (kernel selection,
+        allocator growth, and with ``actor.compile`` the compilation) are paid here, which the
+        trainer overlaps with the first rollout. The second shape makes the compiled layers
+        dynamic in every size that changes between steps (the token count, the longest
+        sequence), so the first real step does not compile again. Collective; returns the
+        seconds it took (``warm_up_s``; the start-up cost of ``actor.compile``)."""
         t0 = time.perf_counter()
-        lens = torch.tensor([48, 80, 72], device=self.device)
-        am = torch.arange(int(lens.max()), device=self.device)[None] < lens[:, None]
-        ids = torch.ones_like(am, dtype=torch.long) * am
-        for grad in (True, False):
-            with torch.set_grad_enabled(grad):
-                logp, _ = forward_logp(self.model, ids, am, 1.0, self.layout)
-                if grad:
-                    (logp.sum() * 0.0).backward()
+        for shape in ([48, 80, 72], [120, 33, 97, 64]):
+            lens = torch.tensor(shape, device=self.device)
+            am = torch.arange(int(lens.max()), device=self.device)[None] < lens[:, None]
+            ids = torch.ones_like(am, dtype=torch.long) * am
+            for grad in (True, False):
+                with torch.set_grad_enabled(grad):
+                    logp, _ = forward_logp(self.model, ids, am, 1.0, self.layout)
+                    if grad:
+                        (logp.sum() * 0.0).backward()
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
