@@ -131,6 +131,39 @@ def test_concurrent_greedy_equals_one_at_a_time(tiny: tuple[str, LlamaForCausalL
         assert a.output_ids == argmax  # greedy really is the argmax of the model
 
 
+def test_a_groups_shared_prompt_is_prefilled_once(tiny: tuple[str, LlamaForCausalLM]) -> None:
+    """Samples of one prompt admitted together share one prefill (their cache rows are copies):
+    greedy continuations and log-probs match the teacher-forced model, sampled ones differ."""
+    path, model = tiny
+    group, other = PROMPTS[8], PROMPTS[1]
+    greedy = SamplingParams(max_new_tokens=12, greedy=True)
+    sampled = SamplingParams(max_new_tokens=12, temperature=1.0)
+
+    async def run(engine: HFEngine) -> tuple[list, list, dict]:
+        await engine.pause()  # hold the requests so that one admission takes them all
+        tasks = [engine.agenerate(group, greedy) for _ in range(3)]
+        tasks += [engine.agenerate(group, sampled) for _ in range(3)]
+        tasks += [engine.agenerate(other, greedy), engine.agenerate([7], greedy)]
+        futs = [asyncio.ensure_future(t) for t in tasks]
+        await asyncio.sleep(0.01)
+        await engine.resume()
+        res = await asyncio.gather(*futs)
+        return res[:3], res[3:6], await engine.health()
+
+    with HFEngine(path) as engine:
+        same, draws, health = asyncio.run(run(engine))
+    assert health["prefills"] == 1
+    assert health["prefill_tokens"] == (len(group) - 1) + (len(other) - 1)  # not 6 x the group's
+    want_lp, want = teacher_forced(model, group, same[0].output_ids, 1.0)
+    for r in same:
+        assert r.output_ids == same[0].output_ids == want
+        torch.testing.assert_close(r.logprobs, want_lp, atol=1e-5, rtol=0)
+    for r in draws:
+        lp, _ = teacher_forced(model, group, r.output_ids, 1.0)
+        torch.testing.assert_close(r.logprobs, lp, atol=1e-5, rtol=0)
+    assert len({tuple(r.output_ids) for r in draws}) > 1
+
+
 def test_stop_tokens_max_new_tokens_and_finish_reasons(
     tiny: tuple[str, LlamaForCausalLM], tmp_path: Path
 ) -> None:

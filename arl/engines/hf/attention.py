@@ -58,9 +58,12 @@ def register_attention() -> str:
 def compile_norm_and_mlp(model: Any) -> int:
     """``torch.compile`` the forward of every RMSNorm and MLP block of ``model`` in place.
 
-    Each distinct block is run once on a dummy input here, so a machine where compilation
-    cannot work (no Triton, no compiler) falls back to eager blocks now, with a warning, rather
-    than failing a generation step later. Returns how many blocks were compiled.
+    Each distinct block runs here on dummy inputs of every (rows, tokens) kind the engine
+    feeds it: one or several rows, one token (decode) or several (prefill). The compiler
+    specialises sizes 1 apart from the rest, so a kind first met in serving would compile
+    there (~1-4 s inside the first one-row prefill). A machine where compilation cannot work
+    (no Triton, no compiler) falls back to eager blocks now, with a warning, rather than failing
+    a generation step later. Returns how many blocks were compiled.
     """
     blocks = [
         m
@@ -74,10 +77,11 @@ def compile_norm_and_mlp(model: Any) -> int:
     try:
         hidden = model.config.hidden_size
         param = next(model.parameters())
-        probe = torch.zeros(2, 3, hidden, dtype=param.dtype, device=param.device)
         with torch.no_grad():
-            for kind in {type(m) for m in blocks}:
-                next(m for m in blocks if type(m) is kind)(probe)
+            for rows, tokens in ((2, 3), (1, 1), (2, 1), (1, 3)):
+                probe = torch.zeros(rows, tokens, hidden, dtype=param.dtype, device=param.device)
+                for kind in {type(m) for m in blocks}:
+                    next(m for m in blocks if type(m) is kind)(probe)
     except Exception as exc:  # noqa: BLE001 - any compiler failure: keep the eager blocks
         logger.warning("torch.compile of the norm/MLP blocks failed (%r); running eagerly", exc)
         for m in blocks:

@@ -584,13 +584,26 @@ class HFEngine:
             self._prefill(chunk)
 
     def _prefill(self, chunk: list[Request]) -> None:
-        # Prompts of one token need no prefill; put the others first so they form one block.
-        chunk = sorted(chunk, key=lambda r: len(r.prompt) == 1)
+        # Rows in three blocks: prompts prefilled here, prompts equal to one of those (a GRPO
+        # group's samples share their prompt), whose cache rows are copies, then prompts of
+        # one token, which need no prefill.
+        first: dict[tuple[int, ...], int] = {}
+        unique, copies, single = [], [], []
+        for req in chunk:
+            key = tuple(req.prompt[:-1])
+            if not key:
+                single.append(req)
+            elif key in first:
+                copies.append((req, first[key]))
+            else:
+                first[key] = len(unique)
+                unique.append(req)
+        chunk = unique + [req for req, _ in copies] + single
         row0, dev = len(self._rows), self.device
         lengths = [len(r.prompt) - 1 for r in chunk]
-        with_prefix = sum(1 for n in lengths if n > 0)
+        with_prefix = len(unique)
         self._prefills += 1
-        self._prefill_tokens += sum(lengths)
+        self._prefill_tokens += sum(lengths[:with_prefix])
         self._cache.reserve(row0 + len(chunk), max(lengths) + 1)
         if with_prefix:
             width = max(lengths)
@@ -614,6 +627,10 @@ class HFEngine:
                 logits_to_keep=1,
                 **{self._cache_kw: self._cache},
             )
+        if copies:
+            dst = torch.arange(len(copies), device=dev) + row0 + with_prefix
+            src = torch.tensor([row0 + i for _, i in copies], device=dev)
+            self._cache.move_rows(dst, src, max(len(r.prompt) - 1 for r, _ in copies))
         sl = slice(row0, row0 + len(chunk))
         self._next_tok[sl] = torch.tensor([r.prompt[-1] for r in chunk], device=dev)
         self._pos[sl] = torch.tensor(lengths, device=dev)
