@@ -293,6 +293,12 @@ class WeightSyncConfig:
         "disk for server engines); ipc/ipc_buffer need one shared GPU (arl.weights)",
     )
     bucket_bytes: int = _f(256 * MiB, "bytes of parameters sent per bucket")
+    in_place: bool = _f(
+        True,
+        "in-place pause keeps in-flight generations and their KV cache across a sync and "
+        "continues them under the new weights (PipelineRL-style in-flight update); false aborts "
+        "them and they resume by re-prefilling under the new weights; server engines always abort",
+    )
     verify: bool = _f(
         False,
         "after each sync check that every engine holds the trainer's weights: checksums for hf, "

@@ -114,8 +114,8 @@ class SimRolloutWorker:
             "sample_text": "x" * 500,
         }
 
-    async def pause(self) -> None:
-        """Stop the engine clock (generation resumes where it was)."""
+    async def pause(self, in_place: bool = False) -> None:
+        """Stop the engine clock (generation resumes where it was, in either mode)."""
         if self._paused_at is None:
             self._paused_at = time.monotonic()
             self._running.clear()

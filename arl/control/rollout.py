@@ -320,15 +320,17 @@ class RolloutController:
         return RTensor([t.ref for t in taken], peers=self.peers), [t.info for t in taken]
 
     # ---- weight sync ------------------------------------------------------------------------
-    async def pause(self) -> None:
-        """Interrupt generation on every worker (in-flight groups resume later)."""
-        await asyncio.gather(*(w.pause() for w in self.workers))
+    async def pause(self, in_place: bool = False) -> None:
+        """Stop generation on every worker (in-flight groups continue later: kept in their
+        engine with ``in_place`` where it can, else aborted and resubmitted)."""
+        await asyncio.gather(*(w.pause(in_place) for w in self.workers))
 
     @asynccontextmanager
-    async def paused(self, version: int) -> AsyncIterator[None]:
-        """Hold generation for a weight transfer; resume at ``version`` whatever happens."""
+    async def paused(self, version: int, in_place: bool = False) -> AsyncIterator[None]:
+        """Hold generation for a weight transfer (``in_place`` as in `pause`); resume at
+        ``version`` whatever happens."""
         t = self.tracer.clock()
-        await self.pause()
+        await self.pause(in_place)
         try:
             yield
         finally:

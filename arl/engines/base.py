@@ -3,7 +3,10 @@
 An engine generates from token ids and returns, per generated token, the sampling log-prob and
 the policy version that produced it. `pause()` interrupts in-flight requests: they return what
 they have with finish reason ``"abort"``; `generate_to_completion` resubmits them after
-`resume()` so an interrupted generation continues under the new version. The protocol is the
+`resume()` so an interrupted generation continues under the new version. `pause(in_place=True)`
+asks instead to stop them at a step boundary and keep them, with their KV cache, until `resume()`
+continues them under the new weights (an engine declaring ``pause_in_place = False`` aborts them
+as above, so callers need not know which). The protocol is the
 whole contract: callers (the rollout worker, the weight-sync modes, the trainer's checks) use
 its members only, and read what an engine accepts from its declared `weight_targets`.
 """
@@ -75,13 +78,17 @@ class Engine(Protocol):
     Life: `start` (servers spawn and wait for their process), `aclose` (ends everything it
     started), `wait_failed` (returns the error once the engine died on its own; never after
     `aclose`). Generation: `agenerate` may be called many times concurrently from one event
-    loop; blocking work runs off the loop. Weights: the engine declares `weight_targets`;
-    updates through a target happen only while paused, and a target not declared raises
-    `WeightTargetError`. `score` and `weights_checksum` let the trainer verify a sync.
+    loop; blocking work runs off the loop. Pausing: `pause` aborts in-flight requests, or with
+    ``in_place`` keeps them where `pause_in_place` says the engine can. Weights: the engine
+    declares `weight_targets`; updates through a target happen only while paused, and a target
+    not declared raises `WeightTargetError`. `score` and `weights_checksum` let the trainer
+    verify a sync.
     """
 
     name: ClassVar[str]
     weight_targets: ClassVar[frozenset[WeightTarget]]
+    # Whether `pause(in_place=True)` keeps in-flight requests (False: it aborts them).
+    pause_in_place: ClassVar[bool]
     version: int
 
     @classmethod
@@ -104,15 +111,18 @@ class Engine(Protocol):
         ...
 
     async def agenerate(self, input_ids: list[int], sampling: SamplingParams) -> GenerationResult:
-        """Generate a continuation of ``input_ids``; stops early with ``"abort"`` on pause."""
+        """Generate a continuation of ``input_ids``; stops early with ``"abort"`` on a pause
+        that does not keep it in place."""
         ...
 
-    async def pause(self) -> None:
-        """Interrupt in-flight generations at their next step and hold new ones until resume."""
+    async def pause(self, in_place: bool = False) -> None:
+        """Stop in-flight generations at their next step and hold new ones until resume: they
+        return ``"abort"``, or with ``in_place`` (where `pause_in_place`) stay in the engine;
+        returns once no step runs, so weights may then be updated."""
         ...
 
     async def resume(self) -> None:
-        """Let held and interrupted requests continue."""
+        """Let held, kept and interrupted requests continue."""
         ...
 
     def set_version(self, version: int) -> None:
@@ -157,8 +167,9 @@ async def generate_to_completion(
     """Run one request to a real finish, continuing it across pauses (interruptible generation).
 
     Each time the engine returns ``"abort"`` the tokens so far are appended to the prompt and the
-    request is resubmitted for the remaining budget; every token keeps the version it was
-    generated under, so versions switch where the pause happened.
+    request is resubmitted for the remaining budget (a pause in place returns nothing, so this
+    waits); every token keeps the version it was generated under, so versions switch where the
+    pause happened.
     """
     out_ids: list[int] = []
     logprobs: list[float] = []

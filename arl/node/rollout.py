@@ -222,9 +222,10 @@ class RolloutWorker:
         ]
 
     # ---- engine control (weight sync) -------------------------------------------------------
-    async def pause(self) -> None:
-        """Interrupt in-flight generations; they continue after resume()."""
-        await self.engine.pause()
+    async def pause(self, in_place: bool = False) -> None:
+        """Stop in-flight generations (kept in the engine with ``in_place`` where it can, else
+        aborted and resubmitted); either way they continue after resume()."""
+        await self.engine.pause(in_place)
 
     async def resume(self) -> None:
         """Let generation continue."""

@@ -245,8 +245,9 @@ class RolloutWorkerAPI(Protocol):
         """Mean reward per row under evaluation sampling."""
         ...
 
-    async def pause(self) -> None:
-        """Interrupt generation (it continues after resume)."""
+    async def pause(self, in_place: bool = False) -> None:
+        """Stop generation, keeping in-flight requests in the engine with ``in_place`` where
+        it can (they continue after resume)."""
         ...
 
     async def resume(self) -> None:
@@ -310,9 +311,9 @@ class RolloutWorkerClient:
             raise StatsError(f"evaluate must answer one number per row ({len(rows)}): {scores!r}")
         return [float(s) for s in scores]
 
-    async def pause(self) -> None:
-        """Interrupt generation."""
-        await self.call("pause")
+    async def pause(self, in_place: bool = False) -> None:
+        """Stop generation (``in_place``: keep in-flight requests where the engine can)."""
+        await self.call("pause", in_place)
 
     async def resume(self) -> None:
         """Let generation continue."""

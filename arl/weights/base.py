@@ -99,7 +99,7 @@ class WeightSync:
             self.ready = True
         stats = dict(await self.stage(version) or {})
         t1 = time.monotonic()
-        async with self.ctx.rollout.paused(version):
+        async with self.ctx.rollout.paused(version, self.ctx.config.in_place):
             stats.update(await self.transfer(version) or {})
         t2 = time.monotonic()
         await self.cleanup(version)

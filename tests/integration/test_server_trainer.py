@@ -84,7 +84,7 @@ def test_a_sync_interrupts_server_generations_and_their_tokens_switch_version(
     pause = RolloutController.pause
     inflight_at_pause: list[int] = []
 
-    async def pause_once_generating(self) -> None:
+    async def pause_once_generating(self, in_place: bool = False) -> None:
         inflight = 0
         # The first pause waits for a state (requests in flight on a server), not a duration.
         for _ in range(0 if inflight_at_pause else 1200):
@@ -94,7 +94,7 @@ def test_a_sync_interrupts_server_generations_and_their_tokens_switch_version(
                 break
             await asyncio.sleep(0.05)
         inflight_at_pause.append(inflight)
-        await pause(self)
+        await pause(self, in_place)
 
     standin_env.setattr(RolloutController, "pause", pause_once_generating)
     # 0.1 s a token: a group of the next batch outlasts a training step of the tiny model.

@@ -94,6 +94,62 @@ def test_disk_mode_matches_trainer_every_step_and_removes_folders(tmp_path, tiny
     assert not weights.exists() or not any(weights.iterdir())
 
 
+def _record_pauses(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """Make every rollout pause record the engines' health right after it; the first waits
+    (for a state, not a duration) until the engines run rows, so that sync has some to keep."""
+    from arl.control.rollout import RolloutController
+
+    pause = RolloutController.pause
+    seen: list[dict] = []
+
+    async def recorded_pause(self: RolloutController, in_place: bool = False) -> None:
+        running = 0
+        for _ in range(0 if seen else 1200):
+            running = sum(
+                h["running"] for h in await asyncio.gather(*(w.health() for w in self.workers))
+            )
+            if running:
+                break
+            await asyncio.sleep(0.05)
+        await pause(self, in_place)
+        healths = await asyncio.gather(*(w.health() for w in self.workers))
+        seen.append({"running_before": running, "after": healths})
+
+    monkeypatch.setattr(RolloutController, "pause", recorded_pause)
+    return seen
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_sync_keeps_or_aborts_running_generations_as_weight_sync_in_place_says(
+    tmp_path, tiny_model, monkeypatch, in_place
+):
+    """With ``weight_sync.in_place`` the first sync finds generations running and keeps them in
+    the hf engine (held, not aborted); without it they are aborted and resubmitted. Either way
+    they finish under the new weights (tokens of versions 0 and 1, which
+    `rollout/version_switches` counts) and every engine holds the trainer's weights. Two groups
+    at a time, with room for five batches ahead of training (eta 4), so the engine is still
+    generating when the first sync comes."""
+    pauses = _record_pauses(monkeypatch)
+    cfg = tiny_run_config(
+        tmp_path,
+        tiny_model,
+        f"weight_sync.in_place={str(in_place).lower()}",
+        "gconfig.max_new_tokens=384",  # with the 128-token prompts: actor.max_tokens_per_mb
+        "rollout.max_concurrent_rollouts=2",
+        "rollout.max_head_offpolicyness=4",
+    )
+    asyncio.run(run(cfg))
+    rows = _assert_synced_every_step(cfg)
+    assert len(pauses) >= 2 and pauses[0]["running_before"] > 0
+    (first,) = pauses[0]["after"]
+    if in_place:
+        assert first["pause_mode"] == "in_place" and first["held"] > 0
+    else:
+        assert first["pause_mode"] == "abort" and first["held"] == 0 and first["running"] == 0
+    assert rows[0]["rollout/version_switches"] == 0  # generated before any sync
+    assert any(r["rollout/version_switches"] > 0 for r in rows[1:])
+
+
 # ---- placement of the modes -------------------------------------------------------------------
 def _cfg(*overrides: str) -> Config:
     return apply_overrides(Config(), list(overrides))

@@ -29,7 +29,7 @@ class WrongShapeWorker:
         """The configured wrong answer (e.g. None, or a map without 'meta')."""
         return self.answer
 
-    async def pause(self) -> None:
+    async def pause(self, in_place: bool = False) -> None:
         """Nothing to pause."""
 
     async def resume(self) -> None:

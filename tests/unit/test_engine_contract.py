@@ -10,7 +10,7 @@ from arl.engines.base import Engine, WeightTarget, WeightTargetError
 from arl.engines.hf import HFEngine
 from arl.engines.spec import ENGINES, engine_class
 
-DATA_MEMBERS = ("name", "weight_targets", "version")
+DATA_MEMBERS = ("name", "weight_targets", "pause_in_place", "version")
 
 
 def protocol_methods() -> dict[str, object]:
@@ -50,7 +50,8 @@ def contract_gaps(cls: type) -> list[str]:
 def test_the_protocol_lists_the_whole_contract() -> None:
     names = set(protocol_methods()) | set(DATA_MEMBERS)
     assert names == {
-        *("name", "weight_targets", "version", "start", "aclose", "wait_failed", "agenerate"),
+        *("name", "weight_targets", "pause_in_place", "version", "start", "aclose"),
+        *("wait_failed", "agenerate"),
         *("pause", "resume", "set_version", "health", "weights_device", "update_weights"),
         *("update_weights_from_disk", "weights_checksum", "score", "from_spec"),
     }
@@ -62,12 +63,19 @@ def test_every_registered_engine_implements_the_contract(name: str) -> None:
     assert contract_gaps(cls) == []
     assert cls.name == name
     assert cls.weight_targets and all(isinstance(t, WeightTarget) for t in cls.weight_targets)
+    assert isinstance(cls.pause_in_place, bool)
+    # Callers pass the mode to every engine; one that cannot keep requests aborts them.
+    in_place = inspect.signature(cls.pause).parameters.get("in_place")
+    assert in_place is not None and in_place.default is False
 
 
-@pytest.mark.parametrize("member", [*sorted(protocol_methods()), "weight_targets"])
+CLASS_MEMBERS = ("name", "weight_targets", "pause_in_place")
+
+
+@pytest.mark.parametrize("member", [*sorted(protocol_methods()), *CLASS_MEMBERS[1:]])
 def test_an_engine_lacking_a_member_is_caught(member: str) -> None:
     """The check above would fail for an engine without any one member."""
-    attrs = {n: getattr(HFEngine, n) for n in [*protocol_methods(), "name", "weight_targets"]}
+    attrs = {n: getattr(HFEngine, n) for n in [*protocol_methods(), *CLASS_MEMBERS]}
     del attrs[member]
     lacking = type("Lacking", (), {"__annotations__": {"version": int}, **attrs})
     assert contract_gaps(lacking) == [f"{member}: missing"]
@@ -85,6 +93,12 @@ def test_declared_weight_targets() -> None:
     assert engine_class("hf").weight_targets == {WeightTarget.TENSORS, WeightTarget.DIRECTORY}
     assert engine_class("vllm").weight_targets == {WeightTarget.DIRECTORY}
     assert engine_class("sglang").weight_targets == {WeightTarget.DIRECTORY}
+
+
+def test_only_the_hf_engine_keeps_requests_in_place_across_a_pause() -> None:
+    assert engine_class("hf").pause_in_place is True
+    assert engine_class("vllm").pause_in_place is False
+    assert engine_class("sglang").pause_in_place is False
 
 
 def test_an_undeclared_target_is_refused_naming_what_the_engine_accepts() -> None:

@@ -132,3 +132,13 @@ def test_rollout_client_refuses_unknown_methods_and_checks_scores() -> None:
     assert handle.sent == [("evaluate", ([{}, {}], 1, 0.0))]
     with pytest.raises(StatsError, match=r"one number per row \(3\)"):
         asyncio.run(client.evaluate([{}, {}, {}]))
+
+
+def test_rollout_client_sends_the_pause_mode() -> None:
+    from arl.protocol.remote import RolloutWorkerClient
+
+    handle = FakeHandle(None)
+    client = RolloutWorkerClient(handle)
+    asyncio.run(client.pause(in_place=True))
+    asyncio.run(client.pause())
+    assert handle.sent == [("pause", (True,)), ("pause", (False,))]

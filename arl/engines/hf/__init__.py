@@ -17,6 +17,13 @@ since per-step host overhead, not the GPU, bounds an eager decode step. Prefill 
 newcomers are admitted at most every ``prefill_interval`` decode steps while others run. With
 ``warm_up_len`` (the trainer passes prompt + new tokens) every graph up to that length is
 captured when the engine is built, as a server does before it serves.
+
+Pausing for a weight sync: `pause()` ends every running request with ``"abort"`` at its next
+step boundary (the caller resubmits it, so its prompt and tokens so far are prefilled again).
+`pause(in_place=True)` instead parks the decode thread at the step boundary with the rows still
+in the batch; after `resume()` they decode on under the new weights, attending to the keys and
+values cached under the old ones (PipelineRL's in-flight update). Each token keeps the log-prob
+it was sampled with and its version, which is what the decoupled PPO loss needs.
 """
 
 from arl.engines.hf.engine import HFEngine

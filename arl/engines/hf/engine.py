@@ -27,7 +27,7 @@ from arl.engines.hf.errors import (
 )
 from arl.engines.hf.graphs import DecodeGraphs, buckets, row_bucket, width_bucket
 from arl.engines.hf.kv_cache import SlotKVCache
-from arl.engines.hf.request import Request, deliver, on_future_done, settle
+from arl.engines.hf.request import Request, deliver, settle
 from arl.engines.hf.weights import checksum_named_tensors, iter_safetensors
 
 if TYPE_CHECKING:
@@ -67,6 +67,7 @@ class HFEngine:
     weight_targets: ClassVar[frozenset[WeightTarget]] = frozenset(
         {WeightTarget.TENSORS, WeightTarget.DIRECTORY}
     )
+    pause_in_place: ClassVar[bool] = True
     version: int
 
     def __init__(
@@ -166,6 +167,7 @@ class HFEngine:
         self._rows: list[Request] = []  # owned by the decode thread
         self._pause_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._paused = False
+        self._in_place = False  # while paused: keep the running rows instead of aborting them
         self._parked = False
         self._stopping = False
         self._closed = False
@@ -192,7 +194,7 @@ class HFEngine:
         req = self._make_request(list(input_ids), sampling, loop)
         if req.max_new == 0:
             return req.result("length")
-        req.future.add_done_callback(functools.partial(on_future_done, req))
+        req.future.add_done_callback(functools.partial(self._on_request_done, req))
         with self._cv:
             self._raise_if_unusable_locked()
             self._pending.append(req)
@@ -202,12 +204,15 @@ class HFEngine:
             self._cv.notify()
         return await req.future
 
-    async def pause(self) -> None:
-        """Interrupt in-flight requests at their next step (they return ``"abort"``) and hold
-        new ones; returns once no forward pass is running, so weights may then be updated."""
+    async def pause(self, in_place: bool = False) -> None:
+        """Stop in-flight requests at their next step and hold new ones: they return
+        ``"abort"``, or with ``in_place`` keep their rows and KV cache and continue on `resume`;
+        returns once no forward pass is running, so weights may then be updated."""
         with self._cv:
-            self._paused = True
-            if self._thread is None or not self._thread.is_alive() or self._parked:
+            self._paused, self._in_place = True, in_place
+            alive = self._thread is not None and self._thread.is_alive()
+            # Parked with rows kept in place, an abort-mode pause still has rows to abort.
+            if not alive or (self._parked and not self._has_work_locked()):
                 return
             fut = asyncio.get_running_loop().create_future()
             self._pause_waiters.append((asyncio.get_running_loop(), fut))
@@ -217,7 +222,7 @@ class HFEngine:
     async def resume(self) -> None:
         """Let held and resubmitted requests run again."""
         with self._cv:
-            self._paused = False
+            self._paused = self._in_place = False
             self._release_pause_waiters_locked()
             self._cv.notify()
 
@@ -226,14 +231,18 @@ class HFEngine:
         self.version = int(version)
 
     async def health(self) -> dict:
-        """Running/waiting counts, version, device, steps; raises if the engine is unusable."""
+        """Running/waiting counts, pause mode and rows held by it, version, device, steps,
+        prefills; raises if the engine is unusable."""
         with self._cv:
             self._raise_if_unusable_locked()
+            mode = ("in_place" if self._in_place else "abort") if self._paused else None
             return {
                 "engine": self.name,
                 "running": len(self._rows),
                 "waiting": len(self._pending),
                 "paused": self._paused,
+                "pause_mode": mode,
+                "held": len(self._rows) if self._in_place else 0,
                 "version": self.version,
                 "device": str(self.device),
                 "dtype": str(self.dtype).removeprefix("torch."),
@@ -420,6 +429,12 @@ class HFEngine:
             future=loop.create_future(),
         )
 
+    def _on_request_done(self, req: Request, fut: asyncio.Future) -> None:
+        if fut.cancelled():
+            req.cancelled = True  # read by the decode thread, which drops the row
+            with self._cv:
+                self._cv.notify()  # a thread parked with rows kept in place drops it now
+
     def _raise_if_unusable_locked(self) -> None:
         if self._closed:
             raise EngineClosedError("the HFEngine is closed; create a new one")
@@ -503,9 +518,13 @@ class HFEngine:
         while True:
             with self._cv:
                 while not self._stopping and not self._has_work_locked():
-                    if self._paused and not self._parked:
-                        self._parked = True
-                        self._release_pause_waiters_locked()
+                    if self._paused:
+                        # Parked, no forward runs: rows kept in place are freed here when their
+                        # callers cancel, without unparking (a weight update may be running).
+                        self._drop_cancelled()
+                        if not self._parked:
+                            self._parked = True
+                            self._release_pause_waiters_locked()
                     self._cv.wait()
                 if self._stopping:
                     return
@@ -531,7 +550,7 @@ class HFEngine:
 
     def _has_work_locked(self) -> bool:
         if self._paused:
-            return bool(self._rows)
+            return bool(self._rows) and not self._in_place  # rows to abort
         return bool(self._pending or self._rows)
 
     def _take_pending_locked(self) -> list[Request]:

@@ -45,8 +45,3 @@ def deliver(req: Request, result: Any = None, error: BaseException | None = None
         req.loop.call_soon_threadsafe(settle, req.future, result, error)
     except RuntimeError:  # the caller's loop is closed: nobody is waiting for this answer
         pass
-
-
-def on_future_done(req: Request, fut: asyncio.Future) -> None:
-    if fut.cancelled():
-        req.cancelled = True  # read by the decode thread, which drops the row
