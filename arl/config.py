@@ -118,6 +118,12 @@ class RolloutConfig:
     max_head_offpolicyness: int = _f(
         2, "eta: how many policy versions older than the trainer a sample may be (0: synchronous)"
     )
+    gpu_sharing: Literal["concurrent", "alternate"] = _f(
+        "concurrent",
+        "engines on a train rank's GPU: concurrent generates while the ranks train (the GPU "
+        "time-slices between the two processes); alternate pauses their generation in place "
+        "for each training step and weight sync, so each phase has the whole GPU",
+    )
     stale_sample_policy: Literal["keep", "drop"] = _f(
         "keep", "what to do with a finished sample that is staler than eta"
     )

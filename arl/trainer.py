@@ -15,6 +15,7 @@ Rollout runs all the time in the background (`RolloutController`); each training
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import time
@@ -48,6 +49,11 @@ PROBE_MESSAGES = [
     {"role": "user", "content": "What is 12 * 7? Put the answer in \\boxed{}."},
     {"role": "assistant", "content": "12 * 7 = 84, so the answer is \\boxed{84}."},
 ]
+
+
+def shares_gpu(spec: Any) -> bool:
+    """Whether a rollout node's engine shares its GPU with a train rank (`NodeSpec.colocated`)."""
+    return bool(spec.colocated and spec.gpu_ids)
 
 
 def probe_gap(got: list[float], want: list[float]) -> tuple[float, float]:
@@ -156,6 +162,7 @@ class PPOTrainer:
         self.model_path = ""  # resolved in setup
         self._probe: list[int] | None = None  # verify_weights' probe sequence
         self._probe_floor: tuple[float, float] | None = None  # its (shift, spread) at the start
+        self._sharing: list[int] = []  # rollout workers on a train rank's GPU (setup)
 
     # ---- setup ------------------------------------------------------------------------------
     async def setup(self, data: tuple[list[dict], list[dict]] | None = None) -> None:
@@ -188,6 +195,13 @@ class PPOTrainer:
             stall_log_s=cfg.rollout.stall_log_s,
         )
         self.weight_sync = self._make_weight_sync()
+        # Rollout workers whose engine shares a GPU with a train rank (rollout.gpu_sharing).
+        self._sharing = [i for i, p in enumerate(self.cluster.rollout) if shares_gpu(p.spec)]
+        if cfg.rollout.gpu_sharing == "alternate" and not self._sharing:
+            log.warning(
+                "rollout.gpu_sharing=alternate has no effect here: no rollout engine shares a GPU "
+                "with a train rank"
+            )
         self.rollout.tracer = self.tracer
         self.tracer.declare("trainer", *(p.handle.node_id for p in self.cluster.nodes))
         if cfg.weight_sync.verify:
@@ -318,9 +332,10 @@ class PPOTrainer:
             batch, infos = await self.rollout.prepare_batch(cfg.data.batch_size, self.version)
             await warm  # done after the first step
             t_rollout = time.monotonic() - t0
-            metrics = await self.train_step(batch)
-            t1 = time.monotonic()
-            metrics.update(await self.weight_sync.sync(self.version + 1))
+            async with self._gpu_turn():
+                metrics = await self.train_step(batch)
+                t1 = time.monotonic()
+                metrics.update(await self.weight_sync.sync(self.version + 1))
             self.version += 1
             if cfg.weight_sync.verify:
                 metrics.update(await self.verify_weights())
@@ -351,6 +366,13 @@ class PPOTrainer:
                 await self.save_hf()
             if cfg.recover.mode == "auto" and self.step % cfg.recover.freq_steps == 0:
                 await self.save_recovery()
+
+    def _gpu_turn(self) -> contextlib.AbstractAsyncContextManager:
+        """With ``rollout.gpu_sharing=alternate``, the engines on a train rank's GPU paused in
+        place while it trains and syncs (`RolloutController.held`); else nothing."""
+        if self.cfg.rollout.gpu_sharing != "alternate" or not self._sharing:
+            return contextlib.nullcontext()
+        return self.rollout.held(self._sharing)
 
     async def train_step(self, batch: RTensor) -> dict:
         """One PPO update over ``batch`` on every train rank; returns averaged statistics."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -86,6 +86,7 @@ class RolloutController:
         self.max_consecutive_rejections = max_consecutive_rejections
         self.stats = RolloutStats()
         self._inflight = {id(w): 0 for w in self.workers}
+        self._held: set[int] = set()  # workers paused in place by `held`
         # Submission index -> finished group, or None for a failed/rejected one.
         self._done: dict[int, Finished | None] = {}
         self._loader_states: dict[int, dict] = {}  # loader position before each submission
@@ -321,9 +322,30 @@ class RolloutController:
 
     # ---- weight sync ------------------------------------------------------------------------
     async def pause(self, in_place: bool = False) -> None:
-        """Stop generation on every worker (in-flight groups continue later: kept in their
-        engine with ``in_place`` where it can, else aborted and resubmitted)."""
-        await asyncio.gather(*(w.pause(in_place) for w in self.workers))
+        """Stop generation on every worker not `held` (in-flight groups continue later: kept
+        in their engine with ``in_place`` where it can, else aborted and resubmitted)."""
+        await asyncio.gather(*(w.pause(in_place) for w in self._free_workers()))
+
+    @asynccontextmanager
+    async def held(self, workers: Sequence[int]) -> AsyncIterator[None]:
+        """Generation of ``workers`` (indices) paused in place for the block, e.g. while the
+        GPU they share with a train rank trains; a weight sync inside the block moves their
+        version and leaves them paused until it ends."""
+        idx = [i for i in dict.fromkeys(workers) if i not in self._held]
+        t = self.tracer.clock()
+        await asyncio.gather(*(self.workers[i].pause(True) for i in idx))
+        self._held.update(idx)
+        try:
+            yield
+        finally:
+            self._held.difference_update(idx)
+            await asyncio.gather(*(self.workers[i].resume() for i in idx))
+            for i in idx:
+                node = self.workers[i].node.node_id
+                self.tracer.add(node, "held", t, self.tracer.clock(), lane="weights")
+
+    def _free_workers(self) -> list[RolloutWorkerClient]:
+        return [w for i, w in enumerate(self.workers) if i not in self._held]
 
     @asynccontextmanager
     async def paused(self, version: int, in_place: bool = False) -> AsyncIterator[None]:
@@ -339,9 +361,10 @@ class RolloutController:
                 self.tracer.add(w.node.node_id, "paused", t, self.tracer.clock(), lane="weights")
 
     async def resume(self, version: int) -> None:
-        """Stamp new tokens with ``version``, resume generation, widen the semaphore."""
+        """Stamp new tokens with ``version``, resume generation (not where `held`), widen the
+        semaphore."""
         await asyncio.gather(*(w.set_version(version) for w in self.workers))
-        await asyncio.gather(*(w.resume() for w in self.workers))
+        await asyncio.gather(*(w.resume() for w in self._free_workers()))
         self.sem.set_version(version)
 
     # ---- recovery ---------------------------------------------------------------------------

@@ -150,6 +150,45 @@ def test_a_sync_keeps_or_aborts_running_generations_as_weight_sync_in_place_says
     assert any(r["rollout/version_switches"] > 0 for r in rows[1:])
 
 
+def test_alternate_gpu_sharing_holds_generation_in_place_while_training(
+    tmp_path, tiny_model, monkeypatch
+):
+    """``rollout.gpu_sharing=alternate``: while the ranks train and sync, the engines that share
+    their GPU are paused in place (rows kept, nothing generated), and they run again between
+    steps. The CPU plan has no GPUs to share, so `shares_gpu` is told the engine shares one;
+    the nodes, the engine and the syncs are real."""
+    import arl.trainer as trainer_mod
+
+    monkeypatch.setattr(trainer_mod, "shares_gpu", lambda spec: spec.role == "rollout")
+    seen: list[tuple[dict, dict]] = []
+    train_step = trainer_mod.PPOTrainer.train_step
+
+    async def observed(self, batch):
+        before = await self.rollout.workers[0].health()
+        await asyncio.sleep(0.3)  # generation would move on here if it were not held
+        out = await train_step(self, batch)
+        seen.append((before, await self.rollout.workers[0].health()))
+        return out
+
+    monkeypatch.setattr(trainer_mod.PPOTrainer, "train_step", observed)
+    cfg = tiny_run_config(
+        tmp_path,
+        tiny_model,
+        "rollout.gpu_sharing=alternate",
+        "gconfig.max_new_tokens=384",
+        "rollout.max_concurrent_rollouts=2",
+        "rollout.max_head_offpolicyness=4",
+    )
+    asyncio.run(run(cfg))
+    rows = _assert_synced_every_step(cfg)
+    assert len(seen) == 3
+    for before, after in seen:
+        assert before["paused"] and before["pause_mode"] == "in_place"
+        assert after["generated_tokens"] == before["generated_tokens"]  # nothing ran meanwhile
+    assert any(before["held"] > 0 for before, _ in seen)  # rows were kept, not aborted
+    assert any(r["rollout/version_switches"] > 0 for r in rows[1:])
+
+
 # ---- placement of the modes -------------------------------------------------------------------
 def _cfg(*overrides: str) -> Config:
     return apply_overrides(Config(), list(overrides))
