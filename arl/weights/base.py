@@ -13,6 +13,9 @@ The sequence is written once, in `WeightSync.sync`::
 
     setup (first sync) -> stage -> pause rollout -> transfer -> version + 1 -> resume -> cleanup
 
+The pause keeps in-flight generations in their engines (``weight_sync.in_place``, where the
+engine's ``pause_in_place`` allows) or aborts them for resubmission; both continue after resume.
+
 What the node halves use of their worker: a train worker's ``rank``, ``engine.device``,
 ``full_state()`` (the full weights in the sync dtype, collective across ranks),
 ``weight_specs()``, ``weight_sources()`` (one rank: views, no gather) and ``tied_weights()``; a

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from arl.engines.base import SamplingParams
 from arl.engines.hf import HFEngine
+from arl.engines.hf.attention import cache_kwarg
 
 MEDIUM = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4)
 
@@ -132,3 +133,62 @@ def test_warm_up_captures_graphs_and_decodes_the_same_cuda(tmp_path: Path) -> No
     assert after["decode_graphs"] == before["decode_graphs"] and after["last_error"] is None
     for prompt, res in zip(prompts, results, strict=True):
         assert res.output_ids == teacher_forced(model, prompt, res.output_ids, 1.0)[1]
+
+
+def continued_from_old_cache(
+    old: LlamaForCausalLM, new: LlamaForCausalLM, prompt: list[int], out: list[int], switch: int
+) -> list[int]:
+    """The argmax at each position of ``out[switch:]`` when ``new`` decodes on from the KV cache
+    ``old`` filled with the prompt and ``out[: switch - 1]``."""
+    cache = {cache_kwarg(old.forward): DynamicCache()}  # filled in place by both passes
+    with torch.no_grad():
+        old(torch.tensor([prompt + out[: switch - 1]], device="cuda"), use_cache=True, **cache)
+        ids = torch.tensor([out[switch - 1 : -1]], device="cuda")
+        return new(ids, use_cache=True, **cache).logits[0].argmax(-1).tolist()
+
+
+def test_pause_in_place_keeps_graph_decoded_rows_across_a_weight_update_cuda(
+    tmp_path: Path,
+) -> None:
+    """Rows decoding in CUDA graphs stop at a step, keep their cache rows through an in-place
+    `update_weights`, and decode on under the new weights without a prefill."""
+    vocab = 4096
+    path = save_model(tmp_path / "m", vocab_size=vocab, **MEDIUM)
+    old = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    torch.manual_seed(9)
+    new = LlamaForCausalLM(old.config).cuda().eval()
+    prompts = random_prompts(24, vocab, seed=6)
+    sp = SamplingParams(max_new_tokens=64, greedy=True)
+
+    async def run(engine: HFEngine) -> list:
+        tasks = [asyncio.ensure_future(engine.agenerate(p, sp)) for p in prompts]
+        while (await engine.health())["running"] < len(prompts):
+            await asyncio.sleep(0.0005)
+        start = (await engine.health())["generated_tokens"]
+        while (await engine.health())["generated_tokens"] < start + 4 * len(prompts):
+            await asyncio.sleep(0.0005)
+        await engine.pause(in_place=True)
+        before = await engine.health()
+        assert before["held"] == len(prompts) and not any(t.done() for t in tasks)
+        named = [(n, t.detach()) for n, t in new.state_dict().items()]
+        loop = asyncio.get_running_loop()
+        assert await loop.run_in_executor(None, engine.update_weights, named) == len(named)
+        engine.set_version(1)
+        await engine.resume()
+        results = await asyncio.gather(*tasks)
+        after = await engine.health()
+        assert after["prefills"] == before["prefills"]  # continued from the cache
+        assert after["cuda_graphs"] and after["last_error"] is None
+        return results
+
+    with HFEngine(path, device="cuda", dtype="float32", max_batch_size=32) as engine:
+        results = asyncio.run(run(engine))
+    for prompt, res in zip(prompts, results, strict=True):
+        assert res.finish_reason == "length" and len(res.output_ids) == 64
+        switch = res.versions.index(1)
+        assert 0 < switch < 64 and res.versions == [0] * switch + [1] * (64 - switch)
+        head = res.output_ids[:switch]
+        assert head == teacher_forced(old, prompt, head, 1.0)[1]
+        assert res.output_ids[switch:] == continued_from_old_cache(
+            old, new, prompt, res.output_ids, switch
+        )

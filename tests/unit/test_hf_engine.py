@@ -269,7 +269,7 @@ def continued_from_old_cache(
     """Log-probs (T = 1) of ``out[switch:]`` and the argmax at each position when ``new``
     decodes on from the KV cache that ``old`` filled: the prompt and ``out[: switch - 1]``
     (the last old token is fed by the first step under the new weights)."""
-    cache = {cache_kwarg(old.forward): DynamicCache(config=old.config)}  # filled in place
+    cache = {cache_kwarg(old.forward): DynamicCache()}  # filled in place by both passes
     with torch.no_grad():
         old(torch.tensor([prompt + out[: switch - 1]]), use_cache=True, **cache)
         logits = new(torch.tensor([out[switch - 1 : -1]]), use_cache=True, **cache).logits[0]
