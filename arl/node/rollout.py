@@ -225,6 +225,8 @@ class RolloutWorker:
     async def pause(self, in_place: bool = False) -> None:
         """Stop in-flight generations (kept in the engine with ``in_place`` where it can, else
         aborted and resubmitted); either way they continue after resume()."""
+        if not isinstance(in_place, bool):  # it crossed the wire: a string would be truthy
+            raise TypeError(f"pause(in_place=...) takes true or false, got {in_place!r}")
         await self.engine.pause(in_place)
 
     async def resume(self) -> None:

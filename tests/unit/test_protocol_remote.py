@@ -142,3 +142,11 @@ def test_rollout_client_sends_the_pause_mode() -> None:
     asyncio.run(client.pause(in_place=True))
     asyncio.run(client.pause())
     assert handle.sent == [("pause", (True,)), ("pause", (False,))]
+
+
+def test_rollout_worker_refuses_a_pause_mode_that_is_not_a_bool() -> None:
+    from arl.node.rollout import RolloutWorker
+
+    worker = RolloutWorker(model_path="/nonexistent/model")  # no engine: refused before use
+    with pytest.raises(TypeError, match="takes true or false, got 'false'"):
+        asyncio.run(worker.pause("false"))

@@ -220,7 +220,7 @@ class HFEngine:
         await fut
 
     async def resume(self) -> None:
-        """Let held and resubmitted requests run again."""
+        """Let held, kept (in place) and resubmitted requests run again."""
         with self._cv:
             self._paused = self._in_place = False
             self._release_pause_waiters_locked()
