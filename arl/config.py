@@ -122,7 +122,8 @@ class RolloutConfig:
         "concurrent",
         "engines on a train rank's GPU: concurrent generates while the ranks train (the GPU "
         "time-slices between the two processes); alternate pauses their generation in place "
-        "for each training step and weight sync, so each phase has the whole GPU",
+        "for each training step and weight sync, so each phase has the whole GPU (server "
+        "engines, which cannot pause in place, abort and re-prefill their requests each step)",
     )
     stale_sample_policy: Literal["keep", "drop"] = _f(
         "keep", "what to do with a finished sample that is staler than eta"
