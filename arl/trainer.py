@@ -51,9 +51,10 @@ PROBE_MESSAGES = [
 ]
 
 
-def shares_gpu(spec: Any) -> bool:
-    """Whether a rollout node's engine shares its GPU with a train rank (`NodeSpec.colocated`)."""
-    return bool(spec.colocated and spec.gpu_ids)
+def shares_gpu(spec: Any, train: list[Any]) -> bool:
+    """Whether a rollout node's engine shares a GPU with one of the ``train`` nodes (specs)."""
+    train_gpus = {g for t in train for g in t.gpu_ids}
+    return bool(spec.colocated and set(spec.gpu_ids) & train_gpus)
 
 
 def probe_gap(got: list[float], want: list[float]) -> tuple[float, float]:
@@ -196,7 +197,8 @@ class PPOTrainer:
         )
         self.weight_sync = self._make_weight_sync()
         # Rollout workers whose engine shares a GPU with a train rank (rollout.gpu_sharing).
-        self._sharing = [i for i, p in enumerate(self.cluster.rollout) if shares_gpu(p.spec)]
+        train = [p.spec for p in self.cluster.train]
+        self._sharing = [i for i, p in enumerate(self.cluster.rollout) if shares_gpu(p.spec, train)]
         if cfg.rollout.gpu_sharing == "alternate" and not self._sharing:
             log.warning(
                 "rollout.gpu_sharing=alternate has no effect here: no rollout engine shares a GPU "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -333,16 +334,22 @@ class RolloutController:
         version and leaves them paused until it ends."""
         idx = [i for i in dict.fromkeys(workers) if i not in self._held]
         t = self.tracer.clock()
-        await asyncio.gather(*(self.workers[i].pause(True) for i in idx))
         self._held.update(idx)
         try:
+            # Inside the try: where one pause fails, the ones that succeeded are resumed below.
+            await asyncio.gather(*(self.workers[i].pause(True) for i in idx))
             yield
         finally:
             self._held.difference_update(idx)
-            await asyncio.gather(*(self.workers[i].resume() for i in idx))
+            resumed = asyncio.gather(
+                *(self.workers[i].resume() for i in idx), return_exceptions=True
+            )
+            errors = [e for e in await resumed if isinstance(e, BaseException)]
             for i in idx:
                 node = self.workers[i].node.node_id
                 self.tracer.add(node, "held", t, self.tracer.clock(), lane="weights")
+            if errors and sys.exc_info()[1] is None:  # else the error in flight says more
+                raise errors[0]
 
     def _free_workers(self) -> list[RolloutWorkerClient]:
         return [w for i, w in enumerate(self.workers) if i not in self._held]
@@ -353,6 +360,8 @@ class RolloutController:
         ``version`` whatever happens."""
         t = self.tracer.clock()
         await self.pause(in_place)
+        if not in_place:  # held workers keep their rows in place unless the sync aborts them
+            await asyncio.gather(*(self.workers[i].pause(False) for i in self._held))
         try:
             yield
         finally:

@@ -426,14 +426,18 @@ class FSDPEngine:
         dynamic in every size that changes between steps (the token count, the longest
         sequence). Compiled code may also be specialised on a size range (measured: inductor
         fused SmolLM2's layer for tokens x hidden < 5 Mi elements, ~9k tokens), so on CUDA a
-        third batch of real micro-batch size compiles the large side too, and the first real
-        step does not compile again. Collective; returns the seconds it took
-        (``warm_up_s``; the start-up cost of ``actor.compile``)."""
+        third batch of up to 16k tokens (within the micro-batch budget, the same on every rank)
+        compiles the large side too, and the first real step does not compile again; its
+        memory is handed back to the device afterwards (an engine may share it). Collective;
+        returns the seconds it took (``warm_up_s``; the start-up cost of ``actor.compile``)."""
         t0 = time.perf_counter()
         shapes = [[48, 80, 72], [120, 33, 97, 64]]
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            big = min(16384, int(0.5 * free / self._bytes_per_token))
+            big = min(16384, self.cfg.max_tokens_per_mb or 16384)
+            big = min(big, int(0.5 * free / self._bytes_per_token))
+            # Every rank runs the same passes (FSDP collectives): the smallest budget decides.
+            big = -int(self._all_max(torch.tensor([-big]))[0])
             if big >= 1024:
                 shapes.append([512] * (big // 512))
         for shape in shapes:
@@ -448,6 +452,7 @@ class FSDPEngine:
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
         self.warm_up_s = time.perf_counter() - t0
         log.info(
             "rank %d: warmed up (compile=%s) in %.1f s", self.rank, self.cfg.compile, self.warm_up_s

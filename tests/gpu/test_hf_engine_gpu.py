@@ -182,7 +182,7 @@ def test_pause_in_place_keeps_graph_decoded_rows_across_a_weight_update_cuda(
         return results
 
     with HFEngine(path, device="cuda", dtype="float32", max_batch_size=32) as engine:
-        results = asyncio.run(run(engine))
+        results = asyncio.run(asyncio.wait_for(run(engine), 120))
     for prompt, res in zip(prompts, results, strict=True):
         assert res.finish_reason == "length" and len(res.output_ids) == 64
         switch = res.versions.index(1)

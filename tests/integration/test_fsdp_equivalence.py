@@ -86,7 +86,7 @@ def rank_main(spec: dict) -> None:
     )
     shards = make_shards(spec["data_seed"])
     batch = concat_shards([shards[i] for i in spec["shards_of_rank"][rank]])
-    if not spec.get("prox_in_update"):
+    if spec.get("prox_pass") or not eng.cfg.prox_in_update():  # as the trainer decides
         batch["prox_logp"] = eng.compute_logp(batch)
     if eng.cfg.kl_ctl > 0:
         batch["ref_logp"] = eng.compute_ref_logp(batch)
@@ -287,6 +287,8 @@ def test_deterministic_step(tmp_path):
 
     A change that moves these numbers must say why in its commit message (a new formula, a
     different reduction order, a new transformers init, ...); a refactor must leave them alone.
+    The proximal log-probs come from the update's forward (the default ``prox_logp=auto``);
+    the separate pass gave the same numbers.
     Recorded with torch 2.13.0 (CPU) and transformers 5.24.0.
     """
     model = save_tiny_llama(tmp_path / "model", seed=0)
@@ -306,8 +308,8 @@ def test_proximal_log_probs_from_the_update_equal_a_separate_pass(tmp_path):
     # Rejection on and a tight cap: the importance weights exp(prox - behave) shape the loss.
     actor = {"path": str(model), "lr": 1e-3, "rejection": "token_mask", "behav_imp_weight_cap": 1.2}
     base = {"actor": actor, "data_seed": 5, "shards_of_rank": [[0, 1, 2, 3]]}
-    (by_pass,) = run_ranks(base, 1, tmp_path / "pass")
-    (in_update,) = run_ranks({**base, "prox_in_update": True}, 1, tmp_path / "update")
+    (by_pass,) = run_ranks({**base, "prox_pass": True}, 1, tmp_path / "pass")
+    (in_update,) = run_ranks(base, 1, tmp_path / "update")
     a, b = by_pass["stats"], in_update["stats"]
     assert 0 < a["rejected_frac"] < 1 and a["imp_weight_mean"] != 1.0  # not vacuous
     for k in ("loss", "grad_norm", "imp_weight_mean", "rejected_frac", "clip_frac", "n_tokens"):

@@ -150,18 +150,29 @@ def test_a_sync_keeps_or_aborts_running_generations_as_weight_sync_in_place_says
     assert any(r["rollout/version_switches"] > 0 for r in rows[1:])
 
 
+@pytest.mark.parametrize("in_place", [True, False])
 def test_alternate_gpu_sharing_holds_generation_in_place_while_training(
-    tmp_path, tiny_model, monkeypatch
+    tmp_path, tiny_model, monkeypatch, in_place
 ):
     """``rollout.gpu_sharing=alternate``: while the ranks train and sync, the engines that share
     their GPU are paused in place (rows kept, nothing generated), and they run again between
-    steps. The CPU plan has no GPUs to share, so `shares_gpu` is told the engine shares one;
+    steps; the sync inside the hold still aborts the held rows when ``weight_sync.in_place`` is
+    false. The CPU plan has no GPUs to share, so `shares_gpu` is told the engine shares one;
     the nodes, the engine and the syncs are real."""
     import arl.trainer as trainer_mod
+    from arl.control.rollout import RolloutController
 
-    monkeypatch.setattr(trainer_mod, "shares_gpu", lambda spec: spec.role == "rollout")
+    monkeypatch.setattr(trainer_mod, "shares_gpu", lambda spec, train: spec.role == "rollout")
     seen: list[tuple[dict, dict]] = []
+    at_sync: list[dict] = []
     train_step = trainer_mod.PPOTrainer.train_step
+    resume = RolloutController.resume
+
+    async def observed_resume(self, version):  # the end of the sync, still inside the hold
+        at_sync.append(await self.workers[0].health())
+        await resume(self, version)
+
+    monkeypatch.setattr(RolloutController, "resume", observed_resume)
 
     async def observed(self, batch):
         before = await self.rollout.workers[0].health()
@@ -175,18 +186,37 @@ def test_alternate_gpu_sharing_holds_generation_in_place_while_training(
         tmp_path,
         tiny_model,
         "rollout.gpu_sharing=alternate",
+        f"weight_sync.in_place={str(in_place).lower()}",
         "gconfig.max_new_tokens=384",
         "rollout.max_concurrent_rollouts=2",
         "rollout.max_head_offpolicyness=4",
     )
     asyncio.run(run(cfg))
     rows = _assert_synced_every_step(cfg)
-    assert len(seen) == 3
+    assert len(seen) == 3 and len(at_sync) == 3
     for before, after in seen:
         assert before["paused"] and before["pause_mode"] == "in_place"
         assert after["generated_tokens"] == before["generated_tokens"]  # nothing ran meanwhile
     assert any(before["held"] > 0 for before, _ in seen)  # rows were kept, not aborted
+    for h in at_sync:
+        assert h["paused"]  # held until the hold ends, after the sync
+        if in_place:
+            assert h["pause_mode"] == "in_place"
+        else:
+            assert h["pause_mode"] == "abort" and h["held"] == 0 and h["running"] == 0
     assert any(r["rollout/version_switches"] > 0 for r in rows[1:])
+
+
+def test_only_engines_on_a_train_ranks_gpu_share_it():
+    """Two engines and one train rank on two GPUs: the engine on the other GPU is not held."""
+    from arl.trainer import shares_gpu
+
+    plan = plan_placement(_cfg("rollout.backend=hf:d2", "actor.backend=fsdp:d1"), n_gpus=2)
+    train = [n for n in plan if n.role == "train"]
+    got = {n.gpu_ids: shares_gpu(n, train) for n in plan if n.role == "rollout"}
+    assert got == {(0,): True, (1,): False}, (got, plan)
+    cpu = plan_placement(_cfg(), n_gpus=0)
+    assert not any(shares_gpu(n, [t for t in cpu if t.role == "train"]) for n in cpu)
 
 
 # ---- placement of the modes -------------------------------------------------------------------

@@ -132,9 +132,13 @@ def test_concurrent_greedy_equals_one_at_a_time(tiny: tuple[str, LlamaForCausalL
         assert a.output_ids == argmax  # greedy really is the argmax of the model
 
 
-def test_a_groups_shared_prompt_is_prefilled_once(tiny: tuple[str, LlamaForCausalLM]) -> None:
-    """Samples of one prompt admitted together share one prefill (their cache rows are copies):
-    greedy continuations and log-probs match the teacher-forced model, sampled ones differ."""
+@pytest.mark.parametrize("budget", [8192, len(PROMPTS[8]) - 1])
+def test_a_groups_shared_prompt_is_prefilled_once(
+    tiny: tuple[str, LlamaForCausalLM], budget: int
+) -> None:
+    """Samples of one prompt admitted together share one prefill (their cache rows are copies),
+    also when the prefill budget holds that prompt only once: greedy continuations and log-probs
+    match the teacher-forced model, sampled ones differ."""
     path, model = tiny
     group, other = PROMPTS[8], PROMPTS[1]
     greedy = SamplingParams(max_new_tokens=12, greedy=True)
@@ -151,9 +155,9 @@ def test_a_groups_shared_prompt_is_prefilled_once(tiny: tuple[str, LlamaForCausa
         res = await asyncio.gather(*futs)
         return res[:3], res[3:6], await engine.health()
 
-    with HFEngine(path) as engine:
+    with HFEngine(path, max_prefill_tokens=budget) as engine:
         same, draws, health = asyncio.run(run(engine))
-    assert health["prefills"] == 1
+    assert health["prefills"] == (1 if budget == 8192 else 2)  # the group's, then the other
     assert health["prefill_tokens"] == (len(group) - 1) + (len(other) - 1)  # not 6 x the group's
     want_lp, want = teacher_forced(model, group, same[0].output_ids, 1.0)
     for r in same:

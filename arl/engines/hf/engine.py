@@ -189,7 +189,8 @@ class HFEngine:
     # ----------------------------------------------------------------- public API
 
     async def agenerate(self, input_ids: list[int], sampling: SamplingParams) -> GenerationResult:
-        """Generate a continuation of ``input_ids``; stops early with ``"abort"`` on pause."""
+        """Generate a continuation of ``input_ids``; stops early with ``"abort"`` on a pause
+        that does not keep it in place."""
         loop = asyncio.get_running_loop()
         req = self._make_request(list(input_ids), sampling, loop)
         if req.max_new == 0:
@@ -521,7 +522,15 @@ class HFEngine:
                     if self._paused:
                         # Parked, no forward runs: rows kept in place are freed here when their
                         # callers cancel, without unparking (a weight update may be running).
-                        self._drop_cancelled()
+                        # Outside the lock: the event loop takes it (health, agenerate) and
+                        # must not wait for the row copies behind a weight update on the device.
+                        if any(req.cancelled for req in self._rows):
+                            self._cv.release()
+                            try:
+                                self._drop_cancelled()
+                            finally:
+                                self._cv.acquire()
+                            continue  # the state may have moved meanwhile: look again
                         if not self._parked:
                             self._parked = True
                             self._release_pause_waiters_locked()
@@ -591,13 +600,19 @@ class HFEngine:
         """Prefill newcomers into rows after the active ones, in chunks of bounded tokens."""
         self._last_admit_step = self._steps
         chunk: list[Request] = []
+        seen: set[tuple[int, ...]] = set()  # prompts the chunk prefills; repeats cost nothing
         longest = 0
         for req in newcomers:
-            length = len(req.prompt) - 1
-            if chunk and (len(chunk) + 1) * max(longest, length) > self.max_prefill_tokens:
+            key = tuple(req.prompt[:-1])
+            if key in seen or not key:
+                chunk.append(req)
+                continue
+            length = len(key)
+            if seen and (len(seen) + 1) * max(longest, length) > self.max_prefill_tokens:
                 self._prefill(chunk)
-                chunk, longest = [], 0
+                chunk, seen, longest = [], set(), 0
             chunk.append(req)
+            seen.add(key)
             longest = max(longest, length)
         if chunk:
             self._prefill(chunk)
