@@ -10,6 +10,7 @@ the plan placed here. A user error ends as one ``error: ...`` line and exit
 status 2; SIGTERM stops the run as Ctrl-C does (exit 143, 130).
 """
 
+import asyncio
 import logging
 import signal
 import sys
@@ -19,6 +20,7 @@ from arl.config import Config, ConfigError, apply_overrides, help_text, save_res
 from arl.control.placement import NodeSpec, detect_gpus, format_plan, plan_placement
 from arl.data.gsm8k import DatasetError
 from arl.engines.spec import describe, engine_spec
+from arl.event_loop import cancel_running
 from arl.recipe import import_recipe, load_recipe
 
 USAGE = """\
@@ -125,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DatasetError, RunDirError, InputError, ModelResolutionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        if not stop.received and not isinstance(sys.exc_info()[1], KeyboardInterrupt):
+            raise
         resume = ""
         if cfg.recover.mode == "auto":
             resume = "; run the same command to resume from the last recovery checkpoint"
@@ -157,7 +161,10 @@ class _SigtermAsInterrupt:
             # asyncio's own SIGINT handler while the run is in its event loop (it cancels the
             # run), else Python's default, which raises KeyboardInterrupt right here.
             handler(signal.SIGINT, frame)
-        else:  # SIGINT ignored (a background job of a script): still stop
+        elif not cancel_running():
+            # SIGINT ignored (a background job of a script) and no loop running: stop here. In
+            # the loop, the run is cancelled instead: a KeyboardInterrupt raised inside it
+            # would end the loop before the run's teardown could end its nodes.
             raise KeyboardInterrupt
 
     def restore(self) -> None:

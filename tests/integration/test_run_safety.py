@@ -251,11 +251,28 @@ def test_a_missing_data_folder_is_one_error_line_naming_the_setting(tmp_path, ti
     assert not (tmp_path / "safe").exists()
 
 
-@pytest.mark.parametrize("when", ["during setup", "during training"])
-def test_sigterm_stops_the_run_like_ctrl_c(tmp_path, tiny_model, when):
+def _sigint(disposition: str) -> list[str]:
+    """A prefix that execs the command with SIGINT at ``disposition`` (SIG_DFL or SIG_IGN),
+    whatever this test process has. A shell leaves SIGINT ignored for a background job
+    (`cmd &` in an sbatch script) and it stays so across exec: SIGTERM must stop the run then
+    too, its teardown included."""
+    return [
+        sys.executable,
+        "-c",
+        f"import os, signal, sys; signal.signal(signal.SIGINT, signal.{disposition}); "
+        "os.execv(sys.executable, sys.argv[1:])",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("when", "sigint"),
+    [("during setup", "default"), ("during training", "default"), ("during training", "ignored")],
+)
+def test_sigterm_stops_the_run_like_ctrl_c(tmp_path, tiny_model, when, sigint):
     run_path = tmp_path / "safe" / "trial0"
+    prefix = _sigint("SIG_IGN" if sigint == "ignored" else "SIG_DFL")
     proc = subprocess.Popen(
-        _command(tmp_path, tiny_model, steps=50),
+        prefix + _command(tmp_path, tiny_model, steps=50),
         cwd=REPO,
         env=ENV,
         stderr=subprocess.PIPE,
