@@ -429,9 +429,12 @@ class FSDPEngine:
         third batch of up to 16k tokens (within the micro-batch budget, the same on every rank)
         compiles the large side too, and the first real step does not compile again; its
         memory is handed back to the device afterwards (an engine may share it). Collective;
-        returns the seconds it took (``warm_up_s``; the start-up cost of ``actor.compile``)."""
+        returns the seconds it took (``warm_up_s``; the start-up cost of ``actor.compile``).
+
+        Off CUDA nothing compiles or selects kernels: those passes would only be compute taken
+        from the first rollout's cores (on two cores they outlasted it), so one tiny pass runs."""
         t0 = time.perf_counter()
-        shapes = [[48, 80, 72], [120, 33, 97, 64]]
+        shapes = [[48, 80, 72], [120, 33, 97, 64]] if self.device.type == "cuda" else [[3, 2]]
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             big = min(16384, self.cfg.max_tokens_per_mb or 16384)

@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from arl.config import ActorConfig, ConfigError
-from arl.engines.fsdp import FSDPEngine, _resolve_layout
+from arl.engines.fsdp import FSDPEngine, _full, _resolve_layout
 
 torch.set_num_threads(1)
 
@@ -59,3 +59,25 @@ def test_layout_resolution():
     assert _resolve_layout("packed", torch.device("cpu")) == "packed"
     with pytest.raises(ConfigError, match="actor.layout must be auto, packed or padded"):
         _resolve_layout("dense", torch.device("cpu"))
+
+
+def test_cpu_warm_up_runs_one_tiny_pass_and_leaves_no_gradients(model_dir):
+    eng = FSDPEngine(
+        ActorConfig(path=model_dir), rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_port()}"
+    )
+    tokens: list[int] = []
+    hook = eng.model.register_forward_pre_hook(
+        lambda _m, args, kwargs: tokens.append(kwargs["input_ids"].numel()), with_kwargs=True
+    )
+    try:
+        before = [_full(p.detach()).clone() for p in eng.model.parameters()]
+        assert eng.warm_up() == eng.warm_up_s > 0
+        # Nothing compiles on CPU: the warm-up's passes are only compute that the first rollout
+        # would lose, so they are one tiny batch (with and without backward), not real shapes.
+        assert len(tokens) == 2 and sum(tokens) <= 16
+        assert all(p.grad is None for p in eng.model.parameters())
+        after = [_full(p.detach()) for p in eng.model.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    finally:
+        hook.remove()
+        eng.destroy()
