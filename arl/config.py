@@ -128,6 +128,12 @@ class RolloutConfig:
     stale_sample_policy: Literal["keep", "drop"] = _f(
         "keep", "what to do with a finished sample that is staler than eta"
     )
+    batch_order: Literal["finished", "submitted"] = _f(
+        "finished",
+        "which accepted groups a batch takes: the first to finish (a batch never waits behind "
+        "one long generation) or the first submitted (the loader's order: batches, and a "
+        "resumed run's, do not depend on timing)",
+    )
     workflow: str = _f("arl.workflows.rlvr:RLVRWorkflow", "workflow class, module:attribute")
     reward: str = _f("arl.rewards.gsm8k:gsm8k_reward", "reward function, module:attribute")
     server_python: str = _f("python", "interpreter that runs vllm/sglang servers")

@@ -2,7 +2,8 @@
 
 Rollout runs all the time in the background (`RolloutController`); each training step:
 
-1. takes ``data.batch_size`` accepted prompt groups, oldest first, as an RTensor (metadata only);
+1. takes ``data.batch_size`` accepted prompt groups (the first to finish, by default) as an
+   RTensor (metadata only);
 2. splits it across the train ranks by token count; each rank pulls its shards from the
    rollout nodes directly;
 3. advantages and the PPO update; proximal log-probs come from the update's own forward, or
@@ -191,6 +192,7 @@ class PPOTrainer:
             peers=peers,
             free=self.free,
             stale_policy=cfg.rollout.stale_sample_policy,
+            order=cfg.rollout.batch_order,
             accept=self._filter(),
             max_consecutive_rejections=cfg.rollout.max_consecutive_rejections,
             stall_log_s=cfg.rollout.stall_log_s,

@@ -3,9 +3,13 @@
 A submit loop acquires a slot from the `StalenessSemaphore`, takes the next prompt from the
 loader and sends it to the rollout node with the fewest groups in flight. A finished group stays
 on its node as a shard; the controller keeps only its `ShardRef` and metadata. The trainer takes
-accepted groups oldest first (in submission order, so batches follow the loader's order and a
-resumed run sees the same batches) with `prepare_batch`; failed and rejected groups are skipped,
-and groups too stale for the current version are dropped or kept by ``stale_policy``.
+accepted groups with `prepare_batch`, by ``order``: ``finished`` (the default) in the order they
+finished, so a batch never waits behind one long generation while later groups are done (and
+the staleness budget they hold would starve the engines); ``submitted`` in the loader's order,
+so a run's batches do not depend on timing. Failed and rejected groups are skipped, and groups
+too stale for the current version are dropped or kept by ``stale_policy``. A checkpoint
+(`state_dict`) records the first group not taken and the later ones already taken, so a resumed
+run generates every other group again and never trains one twice.
 """
 
 from __future__ import annotations
@@ -60,6 +64,9 @@ class RolloutStats:
     bad_replies: int = 0  # run_group results of the wrong shape (they stop the run)
 
 
+BATCH_ORDERS = ("finished", "submitted")
+
+
 class RolloutController:
     """Submits prompt groups to rollout workers while the staleness semaphore allows."""
 
@@ -76,9 +83,13 @@ class RolloutController:
         max_consecutive_failures: int = 16,
         max_consecutive_rejections: int = 256,
         stall_log_s: float | None = 60.0,
+        order: str = "finished",
     ):
         if not workers:
             raise ValueError("a RolloutController needs at least one rollout worker")
+        if order not in BATCH_ORDERS:
+            raise ValueError(f"order={order!r}: a batch is taken in one of {BATCH_ORDERS}")
+        self.order = order
         self.workers = [RolloutWorkerClient(w) for w in workers]
         self.loader, self.sem = loader, semaphore
         self.peers, self.free = peers, free
@@ -88,11 +99,14 @@ class RolloutController:
         self.stats = RolloutStats()
         self._inflight = {id(w): 0 for w in self.workers}
         self._held: set[int] = set()  # workers paused in place by `held`
-        # Submission index -> finished group, or None for a failed/rejected one.
+        # Submission index -> finished group, or None for a failed/rejected one; a dict keeps
+        # insertion order, which is the order the groups finished in.
         self._done: dict[int, Finished | None] = {}
         self._loader_states: dict[int, dict] = {}  # loader position before each submission
-        self._next_take = 0
-        self._accepted_taken = 0  # accepted groups with index < _next_take
+        self._next_take = 0  # the first index not taken (nor skipped)
+        self._taken_after: set[int] = set()  # indices above _next_take taken or skipped
+        self._skip: set[int] = set()  # indices a restored run must not submit (taken before)
+        self._accepted_taken = 0  # accepted groups taken
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._loop_task: asyncio.Task | None = None
@@ -173,7 +187,16 @@ class RolloutController:
 
     async def _submit_loop(self) -> None:
         while self._error is None:
+            while self._next_index in self._skip:
+                # Taken before the checkpoint this run resumed from: its row is drawn, so the
+                # loader stays in step, but not generated again.
+                self._skip.discard(self._next_index)
+                self._next_index += 1
+                self.loader.next_batch()
             await self.sem.acquire()
+            if self._error is not None:  # rollout failed while this slot was awaited
+                self.sem.release(accepted=False)
+                return
             index = self._next_index
             self._next_index += 1
             self._loader_states[index] = self.loader.state_dict()
@@ -288,7 +311,7 @@ class RolloutController:
     async def prepare_batch(
         self, batch_size: int, version: int
     ) -> tuple[RTensor, list[GroupReport]]:
-        """Wait for ``batch_size`` accepted groups (oldest first) fit for training at ``version``.
+        """Wait for ``batch_size`` accepted groups (in ``order``) fit for training at ``version``.
 
         A group whose oldest token is more than eta versions behind ``version`` is dropped (its
         shard freed, and a replacement awaited) or kept, by ``stale_policy``.
@@ -297,7 +320,8 @@ class RolloutController:
         eta = self.sem.max_staleness
         while len(taken) < batch_size:
             self.check()
-            if self._next_take not in self._done:
+            index = self._next_ready()
+            if index is None:
                 self._changed.clear()
                 fail = asyncio.ensure_future(self._failed_event.wait())
                 changed = asyncio.ensure_future(self._changed.wait())
@@ -305,9 +329,8 @@ class RolloutController:
                 fail.cancel()
                 changed.cancel()
                 continue
-            item = self._done.pop(self._next_take)
-            self._loader_states.pop(self._next_take, None)
-            self._next_take += 1
+            item = self._done.pop(index)
+            self._resolve(index)
             if item is None:
                 continue
             self._accepted_taken += 1
@@ -320,6 +343,20 @@ class RolloutController:
                 self.stats.stale_kept += 1
             taken.append(item)
         return RTensor([t.ref for t in taken], peers=self.peers), [t.info for t in taken]
+
+    def _next_ready(self) -> int | None:
+        """The index `prepare_batch` takes next, if that group has finished."""
+        if self.order == "finished":
+            return next(iter(self._done), None)
+        return self._next_take if self._next_take in self._done else None
+
+    def _resolve(self, index: int) -> None:
+        """Mark ``index`` taken (or skipped) and move ``_next_take`` past what is resolved."""
+        self._taken_after.add(index)
+        while self._next_take in self._taken_after:
+            self._taken_after.discard(self._next_take)
+            self._loader_states.pop(self._next_take, None)
+            self._next_take += 1
 
     # ---- weight sync ------------------------------------------------------------------------
     async def pause(self, in_place: bool = False) -> None:
@@ -378,21 +415,30 @@ class RolloutController:
 
     # ---- recovery ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Where a resumed run restarts: the loader position of the first group not yet taken.
+        """Where a resumed run restarts: the loader position of the first group not yet taken,
+        and the later groups already taken (``taken_after``), which it does not submit again.
 
-        Groups submitted after it (running, or finished but not taken) are generated again, so
-        the resumed run trains the same batches in the same order.
+        Every other group submitted after it (running, or finished but not taken) is generated
+        again; with ``order="submitted"`` the resumed run trains the same batches in the same
+        order as an uninterrupted one.
         """
         loader = self._loader_states.get(self._next_take, self.loader.state_dict())
         # Groups accepted but not taken are lost with the run: count only the taken ones.
         sem = {**self.sem.state_dict(), "accepted": self._accepted_taken}
-        return {"loader": loader, "sem": sem, "next_index": self._next_take}
+        return {
+            "loader": loader,
+            "sem": sem,
+            "next_index": self._next_take,
+            "taken_after": sorted(self._taken_after),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` saved, before `start()`."""
         self.loader.load_state_dict(state["loader"])
         self.sem.load_state_dict(state["sem"])
         self._next_index = self._next_take = int(state["next_index"])
+        self._taken_after = {int(i) for i in state.get("taken_after", ())}
+        self._skip = set(self._taken_after)
         self._accepted_taken = int(state["sem"]["accepted"])
 
 

@@ -1,4 +1,8 @@
-"""Recovery: kill the launcher after step 2, restart, and continue at step 3 as if uninterrupted."""
+"""Recovery: kill the launcher after step 2, restart, and continue at step 3 as if uninterrupted.
+
+With ``rollout.batch_order=submitted`` the resumed run trains the batches of an uninterrupted
+one; with ``finished`` (the default; batches depend on timing) it never trains a group twice.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ def tiny_model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
-def _command(run_dir: Path, model: str, steps: int) -> list[str]:
+def _command(run_dir: Path, model: str, steps: int, order: str) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -47,6 +51,7 @@ def _command(run_dir: Path, model: str, steps: int) -> list[str]:
         "stats.progress_bar=false",
         "cluster.heartbeat_timeout=30",
         "saver.hf_export=false",
+        f"rollout.batch_order={order}",
     ]
 
 
@@ -55,17 +60,19 @@ def _metrics(run_dir: Path) -> list[dict]:
     return read_jsonl(path) if path.exists() else []
 
 
-def test_killed_launcher_resumes_at_next_step_with_same_batches(tmp_path, tiny_model):
+@pytest.mark.parametrize("order", ["submitted", "finished"])
+def test_killed_launcher_resumes_at_next_step_with_same_batches(tmp_path, tiny_model, order):
     ref_dir, rec_dir = tmp_path / "ref", tmp_path / "rec"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # The uninterrupted reference run.
-    subprocess.run(_command(ref_dir, tiny_model, 4), cwd=REPO, env=env, check=True, timeout=600)
-    ref = _metrics(ref_dir)
-    assert [r["step"] for r in ref] == [1, 2, 3, 4]
+    if order == "submitted":  # the uninterrupted reference run
+        cmd = _command(ref_dir, tiny_model, 4, order)
+        subprocess.run(cmd, cwd=REPO, env=env, check=True, timeout=600)
+        ref = _metrics(ref_dir)
+        assert [r["step"] for r in ref] == [1, 2, 3, 4]
 
     # The same run, killed (SIGKILL: no cleanup at all) once step 2's checkpoint is on disk.
     proc = subprocess.Popen(
-        _command(rec_dir, tiny_model, 4), cwd=REPO, env=env, start_new_session=True
+        _command(rec_dir, tiny_model, 4, order), cwd=REPO, env=env, start_new_session=True
     )
     latest = rec_dir / "rec" / "trial0" / "recover" / "latest"
     deadline = time.monotonic() + 600
@@ -77,14 +84,18 @@ def test_killed_launcher_resumes_at_next_step_with_same_batches(tmp_path, tiny_m
     proc.wait()
 
     # Restart: it continues at step 3.
-    subprocess.run(_command(rec_dir, tiny_model, 4), cwd=REPO, env=env, check=True, timeout=600)
+    cmd = _command(rec_dir, tiny_model, 4, order)
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, timeout=600)
     rows = _metrics(rec_dir)
     steps = [r["step"] for r in rows]
     assert steps[-2:] == [3, 4] and steps.count(3) == 1, steps
     resumed = {r["step"]: r for r in rows}  # a step logged twice keeps its last line
     assert set(resumed) == {1, 2, 3, 4}
-    for step in (1, 2, 3, 4):
-        assert resumed[step]["batch/data_ids"] == ref[step - 1]["batch/data_ids"], step
+    trained = [i for step in (1, 2, 3, 4) for i in resumed[step]["batch/data_ids"]]
+    assert len(trained) == 4 * B and len(set(trained)) == len(trained), trained
+    if order == "submitted":
+        for step in (1, 2, 3, 4):
+            assert resumed[step]["batch/data_ids"] == ref[step - 1]["batch/data_ids"], step
     # No burst: the staleness counters were restored, so by the end of step 3 (version 3) the
     # restarted rollout started at most (eta + 3 + 1) * B groups minus the 2 * B already trained;
     # fresh counters would have allowed 2 * B more.

@@ -160,7 +160,7 @@ def test_rollout_groups_survive_a_forger_and_every_shard_is_freed(tiny_model):
             return batch, infos, rollout.stats, held, left, ctl.misrouted
 
     batch, infos, stats, held, left, misrouted = asyncio.run(main())
-    assert [r.key for r in batch.refs] == ["g0", "g1", "g2", "g3"]
+    assert sorted(r.key for r in batch.refs) == ["g0", "g1", "g2", "g3"]  # as they finished
     assert all(len(i.rewards) == 2 for i in infos)
     assert (stats.accepted, stats.failed, stats.bad_replies) == (4, 0, 0)
     assert misrouted > 0

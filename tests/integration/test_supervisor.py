@@ -55,6 +55,7 @@ def _overrides(run_dir: Path, model: str) -> list[str]:
         "cluster.heartbeat_interval=0.3",
         "cluster.heartbeat_timeout=5",
         "saver.hf_export=false",
+        "rollout.batch_order=submitted",
     ]
 
 
@@ -122,7 +123,9 @@ def test_killed_node_is_recovered_by_the_launcher_itself(tmp_path, tiny_model):
     assert set(steps) == set(range(1, STEPS + 1)), steps
     assert len(steps) - len(set(steps)) <= 1, steps  # at most one step logged twice
     assert steps == sorted(steps), steps
-    # The batches are those of an uninterrupted run: the loader's order, B prompts per step.
+    # With rollout.batch_order=submitted the batches are those of an uninterrupted run: the
+    # loader's order, B prompts per step. (The default, finished, takes groups as they finish;
+    # tests/integration/test_batch_order.py checks what its checkpoints resume.)
     cfg = apply_overrides(load_recipe(str(REPO / "recipes" / "arith.py")), overrides)
     rows_in = load_rows(cfg, cfg.data.train_split)
     loader = StatefulLoader(rows_in, 1, cfg.data.shuffle, seed=cfg.experiment.seed)
