@@ -4,9 +4,10 @@ A submit loop acquires a slot from the `StalenessSemaphore`, takes the next prom
 loader and sends it to the rollout node with the fewest groups in flight. A finished group stays
 on its node as a shard; the controller keeps only its `ShardRef` and metadata. The trainer takes
 accepted groups with `prepare_batch`, by ``order``: ``finished`` (the default) in the order they
-finished, so a batch never waits behind one long generation while later groups are done (and
-the staleness budget they hold would starve the engines); ``submitted`` in the loader's order,
-so a run's batches do not depend on timing. Failed and rejected groups are skipped, and groups
+finished, except that a group submitted eta versions ago is taken (and waited for) in the last
+batch that keeps it within eta, so a batch waits behind a long generation only where the bound
+needs it, not while later groups are done and hold the staleness budget the engines need;
+``submitted`` in the loader's order, so a run's batches do not depend on timing. Failed and rejected groups are skipped, and groups
 too stale for the current version are dropped or kept by ``stale_policy``. A checkpoint
 (`state_dict`) records the first group not taken and the later ones already taken, so a resumed
 run generates every other group again and never trains one twice.
@@ -107,6 +108,7 @@ class RolloutController:
         self._taken_after: set[int] = set()  # indices above _next_take taken or skipped
         self._skip: set[int] = set()  # indices a restored run must not submit (taken before)
         self._accepted_taken = 0  # accepted groups taken
+        self._sub_version: dict[int, int] = {}  # policy version at submission, until taken
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._loop_task: asyncio.Task | None = None
@@ -206,6 +208,7 @@ class RolloutController:
             self._inflight[id(worker)] += 1
             self._running[key] = (worker.node.node_id, time.monotonic())
             self.stats.submitted += 1
+            self._sub_version[index] = self.sem.version
             task = asyncio.create_task(self._run_one(worker, index, key, row, self.sem.version))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -320,7 +323,7 @@ class RolloutController:
         eta = self.sem.max_staleness
         while len(taken) < batch_size:
             self.check()
-            index = self._next_ready()
+            index = self._next_ready(version)
             if index is None:
                 self._changed.clear()
                 fail = asyncio.ensure_future(self._failed_event.wait())
@@ -344,15 +347,26 @@ class RolloutController:
             taken.append(item)
         return RTensor([t.ref for t in taken], peers=self.peers), [t.info for t in taken]
 
-    def _next_ready(self) -> int | None:
-        """The index `prepare_batch` takes next, if that group has finished."""
-        if self.order == "finished":
+    def _next_ready(self, version: int) -> int | None:
+        """The index `prepare_batch` takes next at ``version``, if that group has finished.
+
+        ``finished`` takes groups as they finish, except a group submitted ``eta`` or more
+        versions ago: this batch is its last within eta, so it is taken first (waited for if
+        still running). Submission versions grow with the index, so such groups are the
+        oldest not taken, from ``_next_take`` on.
+        """
+        due = self._next_take
+        if self.order == "finished" and (
+            due not in self._sub_version
+            or version - self._sub_version[due] < self.sem.max_staleness
+        ):
             return next(iter(self._done), None)
-        return self._next_take if self._next_take in self._done else None
+        return due if due in self._done else None
 
     def _resolve(self, index: int) -> None:
         """Mark ``index`` taken (or skipped) and move ``_next_take`` past what is resolved."""
         self._taken_after.add(index)
+        self._sub_version.pop(index, None)
         while self._next_take in self._taken_after:
             self._taken_after.discard(self._next_take)
             self._loader_states.pop(self._next_take, None)

@@ -1,10 +1,10 @@
 """Which finished groups a batch takes (``rollout.batch_order``), and what a resumed run submits.
 
 One real rollout node; group g0's episode first sleeps (`tests.support.objects.SlowWorkflow`),
-so later groups finish before it. ``finished`` takes them without waiting for g0;
-``submitted`` takes g0 first. A checkpoint taken after an out-of-order batch records the groups
-already taken, and a controller restored from it generates every other group again (g0 too)
-and never those.
+so later groups finish before it. ``finished`` takes them without waiting for g0, until the
+batch that is g0's last within eta (1 here), which waits for it; ``submitted`` takes g0 first.
+A checkpoint taken after an out-of-order batch records the groups already taken, and a
+controller restored from it generates every other group again (g0 too) and never those.
 """
 
 from __future__ import annotations
@@ -75,20 +75,26 @@ def test_a_batch_takes_groups_by_batch_order(tiny_model, order):
             try:
                 batch, infos = await asyncio.wait_for(rollout.prepare_batch(2, 0), 120)
                 state = rollout.state_dict()
+                rollout.sem.set_version(1)  # as the trainer's sync does
+                second, _ = await asyncio.wait_for(rollout.prepare_batch(2, 1), 120)
             finally:
                 await rollout.stop()
-            return [r.key for r in batch.refs], [i.data_id for i in infos], state
+            keys = [r.key for r in batch.refs]
+            return keys, [i.data_id for i in infos], state, [r.key for r in second.refs]
 
-    keys, ids, state = asyncio.run(main())
+    keys, ids, state, second = asyncio.run(main())
     index = [int(k[1:]) for k in keys]
     assert ids == [data_id(rows[i]) for i in index]
     if order == "finished":
         # g0 was still sleeping: the batch is two later groups, and the checkpoint says so.
         assert 0 not in index and len(set(index)) == 2
         assert state["next_index"] == 0 and state["taken_after"] == sorted(index)
+        # At version 1, g0 (submitted at 0) is due within eta = 1: the batch waits for it.
+        assert second[0] == "g0" and second[1] not in keys
     else:
         assert index == [0, 1]
         assert state["next_index"] == 2 and state["taken_after"] == []
+        assert second == ["g2", "g3"]
 
 
 def test_a_resumed_run_skips_the_groups_taken_out_of_order(tiny_model):
@@ -110,12 +116,12 @@ def test_a_resumed_run_skips_the_groups_taken_out_of_order(tiny_model):
             second = _controller(worker, node, rows, "finished")
             second.run_tag = "r"  # the first run's finished groups still hold their g-keys
             second.load_state_dict(state)
+            second.sem.set_version(1)  # the version the first run's batch trained
             second.start()
             try:
-                batches = []
-                for version in (1, 2):  # as the trainer's syncs do, each widening the budget
-                    second.sem.set_version(version)
-                    batches.append(await asyncio.wait_for(second.prepare_batch(2, version), 120))
+                batches = [await asyncio.wait_for(second.prepare_batch(2, 1), 120)]
+                second.sem.set_version(2)  # as the trainer's sync does
+                batches.append(await asyncio.wait_for(second.prepare_batch(2, 2), 120))
                 after = second.state_dict()
             finally:
                 await second.stop()
@@ -125,9 +131,10 @@ def test_a_resumed_run_skips_the_groups_taken_out_of_order(tiny_model):
     resumed = [int(k[1:]) for ks in keys for k in ks]
     assert not set(resumed) & set(taken), (taken, resumed)
     assert len(set(resumed)) == 4
-    # g0 was running when the checkpoint was taken: it is generated again (trained by now, or
-    # still the first group not taken).
-    assert 0 in resumed or after["next_index"] == 0
+    # g0 was running when the checkpoint was taken: it is generated again (submitted at
+    # version 1), skipped by the first batch while it sleeps, and due within eta at version 2,
+    # so it leads the second.
+    assert "r0" not in keys[0] and keys[1][0] == "r0"
     for (_batch, infos), ks in zip(batches, keys, strict=True):
         assert [i.data_id for i in infos] == [data_id(rows[int(k[1:])]) for k in ks]
     # The next checkpoint: everything below its first untaken index, and what it lists after
