@@ -509,6 +509,17 @@ def _validation_problems(cfg: Config) -> list[str]:
     def within(key: str, lo: float, hi: float) -> None:
         check(key, lo <= get_key(cfg, key) <= hi, f"must be in [{lo}, {hi}]")
 
+    # Choice fields: an override is parsed against its Literal, but a recipe sets them directly.
+    for section in attrs.fields(Config):
+        for field in attrs.fields(section.type):
+            if get_origin(field.type) is Literal:
+                choices = get_args(field.type)
+                check(
+                    f"{section.name}.{field.name}",
+                    getattr(getattr(cfg, section.name), field.name) in choices,
+                    f"choose one of {', '.join(map(str, choices))}",
+                )
+
     for key, role in (("rollout.backend", "rollout"), ("actor.backend", "train")):
         try:
             parse_backend(get_key(cfg, key), role)  # type: ignore[arg-type]

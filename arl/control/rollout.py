@@ -7,10 +7,11 @@ accepted groups with `prepare_batch`, by ``order``: ``finished`` (the default) i
 finished, except that a group submitted eta versions ago is taken (and waited for) in the last
 batch that keeps it within eta, so a batch waits behind a long generation only where the bound
 needs it, not while later groups are done and hold the staleness budget the engines need;
-``submitted`` in the loader's order, so a run's batches do not depend on timing. Failed and rejected groups are skipped, and groups
-too stale for the current version are dropped or kept by ``stale_policy``. A checkpoint
-(`state_dict`) records the first group not taken and the later ones already taken, so a resumed
-run generates every other group again and never trains one twice.
+``submitted`` in the loader's order, so a run's batches do not depend on timing. Failed and
+rejected groups are skipped, and groups too stale for the current version are dropped or kept
+by ``stale_policy``. A checkpoint (`state_dict`) records the first group not taken and the later
+ones already taken, so a resumed run generates every other group again and never trains one
+twice.
 """
 
 from __future__ import annotations

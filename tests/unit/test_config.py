@@ -261,6 +261,17 @@ def test_validate_catches_backend_strings_set_in_code():
     assert "actor.backend: backend 'fsdp:t2'" in str(e.value)
 
 
+def test_validate_catches_choices_set_in_code():
+    # A recipe assigns fields directly, past the override parser's check of the choices.
+    cfg = Config()
+    cfg.rollout.batch_order = "fastest"
+    cfg.actor.layout = "dense"
+    with pytest.raises(ConfigError) as e:
+        cfg.validate()
+    assert "rollout.batch_order='fastest': choose one of finished, submitted" in str(e.value)
+    assert "actor.layout='dense': choose one of auto, packed, padded" in str(e.value)
+
+
 def test_validate_lists_every_problem_at_once():
     cfg = apply_overrides(Config(), ["data.batch_size=0", "actor.eps_clip=0"])
     with pytest.raises(ConfigError) as e:
