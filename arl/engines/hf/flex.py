@@ -21,6 +21,7 @@ reference, which applies the mask to every position: correct, but it reads the w
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +47,13 @@ _Q_BLOCK = 128
 # The engine has up to ~14 batch buckets, over dynamo's default limit of 8 recompiles.
 _RECOMPILE_LIMIT = 256
 _COMPILED: Any = None
+# The transposed (query-block) tables only serve the backward pass; skip building them where
+# this torch can.
+_NO_Q_BLOCKS = (
+    {"compute_q_blocks": False}
+    if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
+    else {}
+)
 
 
 class FlexDecodeMask:
@@ -91,7 +99,7 @@ class FlexDecodeMask:
                 BLOCK_SIZE=(_Q_BLOCK, self.block),
                 mask_mod=self._mask_mod,
                 seq_lengths=(self.groups, width),
-                compute_q_blocks=False,  # only the backward pass reads them
+                **_NO_Q_BLOCKS,
             )
             self._masks[(rows, width)] = mask
         return mask
