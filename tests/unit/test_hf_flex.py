@@ -5,6 +5,7 @@ engine decoding the same greedy tokens and log-probs as with SDPA."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 import torch
@@ -178,3 +179,24 @@ def test_config_refuses_an_unknown_decode_attention() -> None:
     cfg.rollout.hf_decode_attention = "Flex"  # type: ignore[assignment]  # a recipe's typo
     with pytest.raises(ConfigError, match="rollout.hf_decode_attention='Flex'.*sdpa, flex"):
         cfg.validate()
+
+
+def test_flex_falls_back_to_sdpa_where_it_cannot_compile(
+    tiny: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No working C++ compiler (inductor's own check finds none): one warning at build, then the
+    engine decodes with SDPA and says so."""
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()  # kernels compiled by earlier tests would hide the missing compiler
+    try:
+        no_compiler = {"cpp.cxx": ("/nonexistent/g++",), "fx_graph_cache": False}
+        with inductor_config.patch(no_compiler), caplog.at_level(logging.WARNING):
+            results, health = _generate(tiny, decode_attention="flex", compile_blocks=True)
+    finally:
+        torch._dynamo.reset()
+    assert health["decode_attention"] == "sdpa"
+    assert "torch.compile of flex_attention failed" in caplog.text
+    assert "No working C++ compiler" in caplog.text and "decoding with SDPA" in caplog.text
+    expected, _ = _generate(tiny)
+    assert [r.output_ids for r in results] == [r.output_ids for r in expected]

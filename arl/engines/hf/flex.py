@@ -186,6 +186,7 @@ def flex_decode(
     heads, kv_heads, dim = head_shape(model.config)
     mask = FlexDecodeMask(max_rows, heads // kv_heads, device)
     if not compiled:
+        logger.info("flex decode attention uncompiled: torch's reference reads every position")
         return mask, _eager_flex
     param = next(model.parameters())
     try:
@@ -196,6 +197,8 @@ def flex_decode(
         with torch.no_grad():
             _compiled_flex(q, kv, kv, probe.block_mask(1, KV_BLOCK), dim**-0.5)
     except Exception as exc:  # noqa: BLE001 - any compiler failure: keep SDPA
-        logger.warning("torch.compile of flex_attention failed (%r); decoding with SDPA", exc)
+        # The first line names the cause; the rest is the compiler's whole graph dump.
+        why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+        logger.warning("torch.compile of flex_attention failed (%s); decoding with SDPA", why)
         return None
     return mask, _compiled_flex
