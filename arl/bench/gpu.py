@@ -238,7 +238,8 @@ def bench_engine(
         steps = asyncio.run(eng.health())["steps"] - steps0
         assert all(len(r.output_ids) == new for r in results), "a request ended early"
         health = asyncio.run(eng.health())
-        assert health["decode_attention"] == decode_attention, health["last_error"]
+        used = health["decode_attention"]
+        assert used == decode_attention, f"decoded with {used}, not {decode_attention} (see log)"
         # Breakdown at the last (widest) bucket: the forward alone, then sampling alone.
         graphs = {k[1]: g for k, g in eng._graphs.items() if k[0] >= batch}
         forward = sample = float("nan")
