@@ -6,7 +6,7 @@ to the batch's longest row. Here row ``b`` sees KV blocks ``0 .. ceil(len_b / bl
 so the kernel (FlexDecoding on CUDA) never loads the blocks past a row's length: a step reads
 about the rows' own lengths, whatever width the batch runs at. Inside a block the mask ``kv_idx <
 len_b`` applies, so positions past a row's length inside its last block are read and masked
-(the cache is zero-initialised, so they are finite).
+(they are finite: zeros, or keys and values of a row's earlier request).
 
 Everything a step reads lives in buffers of fixed address, updated in place from the engine's
 position buffer by the step itself (two small kernels), so the step can be replayed from a CUDA
@@ -67,7 +67,9 @@ class FlexDecodeMask:
         self._masks: dict[tuple[int, int], BlockMask] = {}
         lens = self.lens
 
-        def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor):
+        def mask_mod(
+            b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
+        ) -> torch.Tensor:
             return kv < lens[b]
 
         self._mask_mod = mask_mod
