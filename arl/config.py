@@ -150,6 +150,13 @@ class RolloutConfig:
         "in flight, on which node, for how long (again every as many seconds; none: never)",
     )
     dtype: str = _f("auto", "inference weight dtype (auto, bfloat16, float16, float32)")
+    hf_decode_attention: Literal["sdpa", "flex"] = _f(
+        "sdpa",
+        "hf engine decode attention: sdpa reads every row's KV cache up to the batch's longest "
+        "row (additive mask); flex reads each row's own length (torch flex_attention with a "
+        "block mask, one CUDA graph per batch bucket); flex needs CUDA and torch.compile to be "
+        "fast (elsewhere torch's unfused reference; SDPA, with a warning, where it cannot compile)",
+    )
     agent: str = _f(
         "",
         "agent function `async def run(client, data)`, module:attribute (used with "
@@ -591,6 +598,13 @@ def _validation_problems(cfg: Config) -> list[str]:
         "agent workflows need 'error' (truncating would break the turns' shared prefix)",
     )
     within("rollout.turn_discount", 0.0, 1.0)
+    # A recipe may set it directly; an override is already checked against the Literal.
+    choices = get_args(attrs.fields(RolloutConfig).hf_decode_attention.type)
+    check(
+        "rollout.hf_decode_attention",
+        cfg.rollout.hf_decode_attention in choices,
+        f"choose one of {', '.join(choices)}",
+    )
     positive("rollout.max_consecutive_rejections")
 
     g = cfg.gconfig

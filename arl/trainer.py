@@ -249,6 +249,7 @@ class PPOTrainer:
                 # Decode graphs for every batch size up to that length are captured at start, with
                 # the cache at its full size (rows x length; lazily grown if that does not fit).
                 options["warm_up_len"] = longest
+                options["decode_attention"] = cfg.rollout.hf_decode_attention
             w = await p.handle.create(
                 "arl.node.rollout:RolloutWorker",
                 name="rollout",

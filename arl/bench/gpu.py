@@ -13,6 +13,11 @@ Sections (``--only`` picks some):
   work, the one device-to-host copy per step, and the prefill spread over the steps). The
   "before" column is the same engine with transformers' stock sdpa attention and no compiled
   blocks, as it was before the decode fixes of issue 7.
+- ``decode_flex``: the engine's decode ms/step with ``decode_attention="sdpa"`` (every row's KV
+  read up to the batch's longest, bucketed) beside ``"flex"`` (each row's own length), at the
+  same batches, for prompts of ``--prompt-len`` and for prompts of mixed lengths (rows spanning
+  64 to ``--mixed-max`` positions); beside the floor over the rows' own lengths and the floor
+  over the padded width sdpa reads.
 - ``train``: FSDP2 (one rank, bf16) tokens/s of ``compute_logp`` and of advantages + PPO update,
   with model FLOP utilisation against the matmul peak measured in ``floors``, per variant:
   padded rows in 8192-token micro-batches (the layout before issue 16), packed rows with
@@ -172,28 +177,44 @@ def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(100, vocab, (batch, length), generator=g).tolist()
 
 
+def mixed_lengths(batch: int, lo: int, hi: int) -> list[int]:
+    """``batch`` prompt lengths spread evenly over ``lo..hi``."""
+    if batch == 1:
+        return [hi]
+    return [lo + (hi - lo) * i // (batch - 1) for i in range(batch)]
+
+
 def bench_engine(
-    path: str, batch: int, prompt_len: int, new: int, stock: bool = False
+    path: str,
+    batch: int,
+    prompt_len: int | list[int],
+    new: int,
+    stock: bool = False,
+    decode_attention: str = "sdpa",
 ) -> dict[str, float]:
     """hf engine: wall seconds for ``batch`` requests of ``new`` tokens, and a step breakdown.
 
-    ``stock`` builds the engine as it was before the decode fixes (stock sdpa, no compiled
-    blocks).
+    ``prompt_len``: one length for every prompt, or one per prompt. ``stock`` builds the engine
+    as it was before the decode fixes (stock sdpa, no compiled blocks).
     """
     from arl.engines.base import SamplingParams
     from arl.engines.hf import HFEngine
 
     sp = SamplingParams(max_new_tokens=new, temperature=1.0)
-    prompts = _prompts(batch, prompt_len, 49152, seed=batch)
+    lengths = [prompt_len] * batch if isinstance(prompt_len, int) else list(prompt_len)
+    longest = max(lengths)
+    full = _prompts(batch, longest, 49152, seed=batch)
+    prompts = [p[:n] for p, n in zip(full, lengths, strict=True)]
     with HFEngine(
         path,
         device="cuda",
         dtype="bfloat16",
         max_batch_size=batch,
-        max_seq_len=prompt_len + new + 8,
-        max_prefill_tokens=max(8192, prompt_len * batch),
+        max_seq_len=longest + new + 8,
+        max_prefill_tokens=max(8192, longest * batch),
         compile_blocks=not stock,
         grouped_attention=not stock,
+        decode_attention=decode_attention,
     ) as eng:
 
         async def once() -> list:
@@ -216,15 +237,18 @@ def bench_engine(
         wall = time.perf_counter() - t0
         steps = asyncio.run(eng.health())["steps"] - steps0
         assert all(len(r.output_ids) == new for r in results), "a request ended early"
+        health = asyncio.run(eng.health())
+        used = health["decode_attention"]
+        assert used == decode_attention, f"decoded with {used}, not {decode_attention} (see log)"
         # Breakdown at the last (widest) bucket: the forward alone, then sampling alone.
         graphs = {k[1]: g for k, g in eng._graphs.items() if k[0] >= batch}
         forward = sample = float("nan")
         if graphs:
             # The forward alone per width bucket, weighted by the steps decoded in each bucket.
             per_width = {w: _time_cuda(g.graph.replay, 20) for w, g in graphs.items()}
-            lengths = [prompt_len + i + 1 for i in range(new)]
+            kv_lens = [longest + i + 1 for i in range(new)]
             forward = statistics.mean(
-                per_width[min(w for w in per_width if w >= n)] for n in lengths
+                per_width[min(w for w in per_width if w >= n)] for n in kv_lens
             )
             logits = graphs[max(graphs)].logits[:batch]
             eng._temp[:batch] = 1.0
@@ -322,6 +346,59 @@ def run_decode(args: argparse.Namespace, path: str, floors: dict) -> list[dict]:
             flush=True,
         )
     return rows
+
+
+def run_decode_flex(args: argparse.Namespace, path: str, floors: dict) -> list[dict]:
+    """Decode ms/step of sdpa beside flex, uniform and mixed prompt lengths, beside floors."""
+    from arl.engines.hf.graphs import width_bucket
+
+    wbytes, kv_tok = model_bytes(path)
+    bw = floors.get("hbm_bytes_s", NOMINAL_HBM_TB_S * 1e12)
+    new = args.new_tokens
+    lo, hi = 64, args.mixed_max - new
+    print(
+        f"\n## decode attention: sdpa (KV read to the longest row's bucket) vs flex (each row's "
+        f"own length), {new} new tokens, bf16, sampling T=1; mixed: prompts {lo}..{hi}, so "
+        f"rows span {lo}..{args.mixed_max} positions"
+    )
+    print(
+        "own floor = (weights + KV of the rows' own lengths) / bandwidth; padded floor = "
+        "(weights + KV of every row at the step's width bucket) / bandwidth"
+    )
+    print(
+        "| prompts | batch | sdpa ms/step | flex ms/step | sdpa / flex | own floor ms | "
+        "padded floor ms | own floor / flex |"
+    )
+    print("|" + " --- |" * 8)
+    out = []
+    for kind in ("uniform", "mixed"):
+        for b in args.batches:
+            lengths = [args.prompt_len] * b if kind == "uniform" else mixed_lengths(b, lo, hi)
+            step = {}
+            for attention in ("sdpa", "flex"):
+                e = bench_engine(path, b, lengths, new, decode_attention=attention)
+                step[attention] = e["wall"] / new
+            held = sum(n + new / 2 for n in lengths)  # mean KV positions read per step
+            own = (wbytes + kv_tok * held) / bw
+            cap = max(lengths) + new + 8
+            widths = [width_bucket(max(lengths) + i + 1, cap) for i in range(new)]
+            padded = (wbytes + kv_tok * b * statistics.mean(widths)) / bw
+            row = {
+                "prompts": kind,
+                "batch": b,
+                "sdpa_ms_step": 1e3 * step["sdpa"],
+                "flex_ms_step": 1e3 * step["flex"],
+                "own_floor_ms": 1e3 * own,
+                "padded_floor_ms": 1e3 * padded,
+            }
+            out.append(row)
+            print(
+                f"| {kind} | {b} | {1e3 * step['sdpa']:.2f} | {1e3 * step['flex']:.2f} | "
+                f"{step['sdpa'] / step['flex']:.2f} | {1e3 * own:.3f} | {1e3 * padded:.3f} | "
+                f"{own / step['flex']:.2f} |",
+                flush=True,
+            )
+    return out
 
 
 # ---- train ----------------------------------------------------------------------------------
@@ -505,14 +582,24 @@ def run_sync(args: argparse.Namespace, path: str, floors: dict) -> list[dict]:
 
 
 # ---- main -----------------------------------------------------------------------------------
-def main(argv: Sequence[str] | None = None) -> int:
+SECTIONS = ("floors", "decode", "decode_flex", "train", "sync")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line of ``python -m arl.bench gpu``."""
     p = argparse.ArgumentParser(prog="python -m arl.bench gpu", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder for --model random")
-    p.add_argument("--only", nargs="*", default=["floors", "decode", "train", "sync"])
+    p.add_argument("--only", nargs="*", choices=SECTIONS, default=list(SECTIONS))
     p.add_argument("--batches", type=int, nargs="*", default=[1, 64, 256])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument(
+        "--mixed-max",
+        type=int,
+        default=1300,
+        help="decode_flex: the longest row's positions at the end of the mixed-length run",
+    )
     p.add_argument("--no-generate", dest="generate", action="store_false")
     p.add_argument(
         "--no-before",
@@ -527,6 +614,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sync-modes", nargs="*", default=["ipc_buffer", "ipc", "zmq", "disk"])
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     args = p.parse_args(argv)
+    if args.mixed_max - args.new_tokens < 64:
+        p.error(f"--mixed-max must be at least --new-tokens + 64, got {args.mixed_max}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         print("arl.bench gpu needs a CUDA device", file=sys.stderr)
         return 2
@@ -543,6 +637,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             results["floors"] = floors
         if "decode" in args.only:
             results["decode"] = run_decode(args, path, floors)
+        if "decode_flex" in args.only:
+            results["decode_flex"] = run_decode_flex(args, path, floors)
         if "train" in args.only:
             results["train"] = run_train(args, path, floors)
         if "sync" in args.only:

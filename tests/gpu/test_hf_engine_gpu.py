@@ -1,4 +1,5 @@
-"""The embedded hf engine on CUDA: log-probs against a teacher-forced pass, a 64-request batch."""
+"""The embedded hf engine on CUDA: log-probs against a teacher-forced pass, a 64-request batch,
+flex decode attention against SDPA."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from arl.engines.base import SamplingParams
 from arl.engines.hf import HFEngine
 from arl.engines.hf.attention import cache_kwarg
+from arl.engines.hf.graphs import buckets, row_bucket
 
 MEDIUM = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4)
 
@@ -192,3 +194,33 @@ def test_pause_in_place_keeps_graph_decoded_rows_across_a_weight_update_cuda(
         assert res.output_ids[switch:] == continued_from_old_cache(
             old, new, prompt, res.output_ids, switch
         )
+
+
+@pytest.mark.parametrize("warm_up_len", [0, 400])
+def test_flex_decode_in_cuda_graphs_gives_sdpas_greedy_tokens_cuda(
+    tmp_path: Path, warm_up_len: int
+) -> None:
+    """``decode_attention="flex"`` (compiled, replayed from CUDA graphs at the cache's whole
+    width) decodes the tokens and log-probs of SDPA for rows of lengths from 2 to ~340, some
+    admitted mid-decode; with a warm-up, one graph per row bucket and none captured later."""
+    vocab = 4096
+    path = save_model(tmp_path / "m", vocab_size=vocab, **MEDIUM)
+    gen = torch.Generator().manual_seed(8)
+    long = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (130, 200, 257, 300)]
+    prompts = random_prompts(36, vocab, seed=7) + long
+    sp = SamplingParams(max_new_tokens=40, greedy=True)
+    kw = dict(device="cuda", dtype="float32", max_batch_size=48, warm_up_len=warm_up_len)
+    with HFEngine(path, **kw) as engine:
+        expected = asyncio.run(staggered(engine, prompts, sp))
+    with HFEngine(path, decode_attention="flex", **kw) as engine:
+        before = asyncio.run(engine.health())
+        results = asyncio.run(staggered(engine, prompts, sp))
+        after = asyncio.run(engine.health())
+    assert after["decode_attention"] == "flex"  # no silent fallback to SDPA
+    assert after["cuda_graphs"] and after["last_error"] is None
+    if warm_up_len:
+        assert before["decode_graphs"] == len(buckets(48, row_bucket))  # one width
+        assert after["decode_graphs"] == before["decode_graphs"]
+    for res, ref in zip(results, expected, strict=True):
+        assert res.output_ids == ref.output_ids
+        torch.testing.assert_close(res.logprobs, ref.logprobs, atol=1e-4, rtol=0)

@@ -12,9 +12,16 @@ Log-probs: each returned log-prob is ``log_softmax(logits / T)`` of the sampled 
 after temperature and *before* top-p/top-k truncation, which is what the trainer recomputes.
 Greedy requests use ``T = temperature`` if it is positive, else 1.
 
+Decode attention (``decode_attention``): ``"sdpa"`` (the default) reads every row's KV cache up
+to the batch's longest row, bucketed, under the additive mask; ``"flex"`` (flex.py) runs torch's
+``flex_attention`` with a block mask built from each row's own length, so a step reads about the
+rows' own lengths. Prefill takes SDPA either way.
+
 On CUDA the decode step is replayed from CUDA graphs, one per (batch bucket, KV-length bucket),
-since per-step host overhead, not the GPU, bounds an eager decode step. Prefill stays eager, so
-newcomers are admitted at most every ``prefill_interval`` decode steps while others run. With
+or with flex one per batch bucket at the cache's whole width (blocks past a row's length cost
+nothing), since per-step host overhead, not the GPU, bounds an eager decode step. Prefill stays
+eager, so newcomers are admitted at most every ``prefill_interval`` decode steps while others
+run. With
 ``warm_up_len`` (the trainer passes prompt + new tokens) every graph up to that length is
 captured when the engine is built, as a server does before it serves.
 

@@ -25,6 +25,7 @@ from arl.engines.hf.errors import (
     HFEngineError,
     UnknownWeightError,
 )
+from arl.engines.hf.flex import DECODE_ATTENTIONS, KV_BLOCK, flex_decode, register_flex_attention
 from arl.engines.hf.graphs import DecodeGraphs, buckets, row_bucket, width_bucket
 from arl.engines.hf.kv_cache import SlotKVCache
 from arl.engines.hf.request import Request, deliver, settle
@@ -85,6 +86,7 @@ class HFEngine:
         compile_blocks: bool | None = None,
         grouped_attention: bool = True,
         warm_up_len: int = 0,
+        decode_attention: str = "sdpa",
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -92,6 +94,11 @@ class HFEngine:
             raise ValueError(
                 f"need max_batch_size >= 1, max_seq_len >= 2, max_prefill_tokens >= 1; got "
                 f"{max_batch_size}, {max_seq_len}, {max_prefill_tokens}"
+            )
+        if decode_attention not in DECODE_ATTENTIONS:
+            raise ValueError(
+                "decode_attention must be 'sdpa' (the additive mask over the batch's longest row)"
+                f" or 'flex' (each row's own length; compiled on CUDA), got {decode_attention!r}"
             )
         if warm_up_len < 0:
             raise ValueError(f"warm_up_len must be >= 0, got {warm_up_len}")
@@ -118,10 +125,12 @@ class HFEngine:
         # newcomers on every step would make every step that slow.
         self.prefill_interval = prefill_interval or (16 if self.cuda_graphs else 1)
 
+        if decode_attention == "flex":  # prefill still takes SDPA through it
+            attention = register_flex_attention()
+        else:
+            attention = register_attention() if grouped_attention else "sdpa"
         model = AutoModelForCausalLM.from_pretrained(
-            model_path,
-            dtype=self.dtype,
-            attn_implementation=register_attention() if grouped_attention else "sdpa",
+            model_path, dtype=self.dtype, attn_implementation=attention
         )
         self._model = model.to(self.device).eval().requires_grad_(False)
         self._cache_kw = cache_kwarg(self._model.forward)
@@ -130,6 +139,14 @@ class HFEngine:
         # The whole model compiles too, but in minutes; these blocks compile in seconds.
         want = self.cuda_graphs if compile_blocks is None else compile_blocks
         self.compiled_blocks = compile_norm_and_mlp(self._model) if want and on_cuda else 0
+        # Flex is compiled on CUDA unless compile_blocks=False, and on CPU with compile_blocks=True
+        # (its C++ kernel skips blocks too); else it runs torch's unfused reference. None where
+        # compilation failed (warned): the engine decodes with SDPA.
+        self._flex = None
+        if decode_attention == "flex":
+            compiled = on_cuda if compile_blocks is None else compile_blocks
+            self._flex = flex_decode(self._model, self.device, max_batch_size, compiled)
+        self.decode_attention = "sdpa" if self._flex is None else "flex"
         self._eos = _eos_ids(self._model)
         self._vocab_size = int(self._model.get_input_embeddings().weight.shape[0])
         # Some models pad the output layer past the input vocabulary: sample over the logits.
@@ -138,7 +155,8 @@ class HFEngine:
         # Parameters and buffers by every name a state dict may use (tied aliases included).
         self._weights: dict[str, torch.Tensor] = dict(self._model.state_dict(keep_vars=True))
 
-        self._cache = SlotKVCache(max_batch_size, max_seq_len)
+        align = 1 if self._flex is None else KV_BLOCK
+        self._cache = SlotKVCache(max_batch_size, max_seq_len, align)
         dev, b = self.device, max_batch_size
         self._row_idx = torch.arange(b, device=dev)
         self._kv_arange = torch.arange(max_seq_len, device=dev)
@@ -250,6 +268,7 @@ class HFEngine:
                 "steps": self._steps,
                 "cuda_graphs": self.cuda_graphs,
                 "compiled_blocks": self.compiled_blocks,
+                "decode_attention": self.decode_attention,
                 "decode_graphs": len(self._graphs),
                 "warm_up_s": self.warm_up_s,
                 "generated_tokens": self._generated_tokens,
@@ -458,8 +477,12 @@ class HFEngine:
         generations then replay graphs instead of capturing them, and the cache holds its
         size from the start instead of growing (which makes every captured graph stale)."""
         t0 = time.perf_counter()
-        widths = buckets(width_bucket(length, self.max_seq_len), width_bucket)
-        self._cache.reserve(self.max_batch_size, widths[-1])
+        if self._flex is None:
+            widths = buckets(width_bucket(length, self.max_seq_len), width_bucket)
+            self._cache.reserve(self.max_batch_size, widths[-1])
+        else:  # one width: see _decode_shape
+            self._cache.reserve(self.max_batch_size, length)
+            widths = [self._cache.seq_capacity]
         with self._model_lock, torch.no_grad(), torch.cuda.device(self.device):
             try:
                 for width in widths:
@@ -689,6 +712,8 @@ class HFEngine:
         kv_len = max(r.pos for r in rows) + 1
         if self.cuda_graphs:
             logits = self._graph_logits(n, kv_len)
+        elif self._flex is not None:
+            logits = self._forward_decode(*self._decode_shape(n, kv_len))[:n]
         else:
             self._cache.reserve(n, kv_len)
             logits = self._forward_decode(n, kv_len)
@@ -721,25 +746,44 @@ class HFEngine:
     def _forward_decode(self, rows: int, kv_len: int) -> torch.Tensor:
         """One token for each of rows 0..rows-1, attending to ``kv_len`` positions: logits."""
         pos = self._pos[:rows]
-        allowed = self._kv_arange[None, :kv_len] <= pos[:, None]
         self._cache.begin_decode(self._row_idx[:rows], pos, kv_len)
+        if self._flex is None:
+            allowed = self._kv_arange[None, :kv_len] <= pos[:, None]
+            attend = {"attention_mask": self._additive_mask(allowed)[:, None, None, :]}
+        else:
+            mask, flex_attend = self._flex
+            mask.update(pos)  # inside the step, so a graph replay updates it too
+            attend = {"attention_mask": mask.block_mask(rows, kv_len), "flex_attend": flex_attend}
         out = self._model(
             input_ids=self._next_tok[:rows, None],
-            attention_mask=self._additive_mask(allowed)[:, None, None, :],
             position_ids=pos[:, None],
             use_cache=True,
+            **attend,
             **{self._cache_kw: self._cache},
         )
         return out.logits[:, -1, :]
 
-    def _graph_logits(self, n: int, kv_len: int) -> torch.Tensor:
-        """Replay (capturing on first use) the graph of the bucket holding ``n`` rows."""
+    def _decode_shape(self, n: int, kv_len: int) -> tuple[int, int]:
+        """(rows, KV width) a step of ``n`` rows, the longest attending to ``kv_len``, runs at."""
         rows = row_bucket(n, self.max_batch_size)
-        width = width_bucket(kv_len, self.max_seq_len)
-        self._cache.reserve(rows, width)
+        if self._flex is None:
+            width = width_bucket(kv_len, self.max_seq_len)
+            self._cache.reserve(rows, width)
+        else:
+            # Flex skips the blocks past each row's length, so a wider step costs (almost)
+            # nothing: steps run at the cache's whole width, one graph per row bucket instead
+            # of one per (rows, width), and a longer row captures nothing until the cache
+            # grows. Compiled flex also needs a fixed batch size, hence the buckets off graphs.
+            self._cache.reserve(rows, kv_len)
+            width = self._cache.seq_capacity
         if rows > n:
             # Padding rows compute garbage into free cache rows; keep their writes in bounds.
             self._pos[n:rows] = 0
+        return rows, width
+
+    def _graph_logits(self, n: int, kv_len: int) -> torch.Tensor:
+        """Replay (capturing on first use) the graph of the bucket holding ``n`` rows."""
+        rows, width = self._decode_shape(n, kv_len)
         try:
             graph = self._graphs.get(rows, width, self._cache, self._forward_decode)
         except Exception as exc:
@@ -749,7 +793,7 @@ class HFEngine:
             self.cuda_graphs = False
             self._graphs.clear()
             torch.cuda.synchronize(self.device)
-            return self._forward_decode(n, kv_len)
+            return self._forward_decode(rows, width)[:n]
         graph.graph.replay()
         return graph.logits[:n]
 

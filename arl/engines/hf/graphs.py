@@ -1,4 +1,5 @@
-"""CUDA graphs of the hf engine's decode step, one per (batch bucket, KV-length bucket).
+"""CUDA graphs of the hf engine's decode step, one per (batch bucket, KV-length bucket); with
+flex decode attention the width is the cache's whole width, so one per batch bucket.
 
 Per-step host overhead, not the GPU, bounds an eager decode step of a small model, so on CUDA
 the step is replayed from a captured graph. Graphs read the KV cache's buffers by address:

@@ -19,8 +19,8 @@ class SlotKVCache:
     first ``kv_len`` positions of all active rows are returned for the masked attention.
     """
 
-    def __init__(self, max_rows: int, max_seq: int) -> None:
-        self._max_rows, self._max_seq = max_rows, max_seq
+    def __init__(self, max_rows: int, max_seq: int, seq_align: int = 1) -> None:
+        self._max_rows, self._max_seq, self._seq_align = max_rows, max_seq, seq_align
         self._rows_cap, self._seq_cap = 0, 0
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
@@ -34,12 +34,20 @@ class SlotKVCache:
         """The most rows the cache may ever hold."""
         return self._max_rows
 
+    @property
+    def seq_capacity(self) -> int:
+        """Positions per row the buffers hold (after the next `update`): a multiple of
+        ``seq_align``, which may exceed ``max_seq`` by less than that."""
+        return self._seq_cap
+
     def reserve(self, rows: int, seq: int) -> None:
         """Make room for ``rows`` rows of ``seq`` positions (buffers grow by doubling)."""
         if rows > self._rows_cap:
             self._rows_cap = min(self._max_rows, max(rows, 2 * self._rows_cap, _MIN_ROW_CAPACITY))
         if seq > self._seq_cap:
-            self._seq_cap = min(self._max_seq, max(seq, 2 * self._seq_cap, _MIN_SEQ_CAPACITY))
+            seq = min(self._max_seq, max(seq, 2 * self._seq_cap, _MIN_SEQ_CAPACITY))
+            # Rounded up so that a kernel reading whole blocks of positions stays inside a row.
+            self._seq_cap = -(-seq // self._seq_align) * self._seq_align
 
     def begin_prefill(self, row0: int, rows: int, length: int) -> None:
         """The next forward writes ``rows`` new rows from ``row0``, ``length`` tokens each."""
