@@ -598,13 +598,6 @@ def _validation_problems(cfg: Config) -> list[str]:
         "agent workflows need 'error' (truncating would break the turns' shared prefix)",
     )
     within("rollout.turn_discount", 0.0, 1.0)
-    # A recipe may set it directly; an override is already checked against the Literal.
-    choices = get_args(attrs.fields(RolloutConfig).hf_decode_attention.type)
-    check(
-        "rollout.hf_decode_attention",
-        cfg.rollout.hf_decode_attention in choices,
-        f"choose one of {', '.join(choices)}",
-    )
     positive("rollout.max_consecutive_rejections")
 
     g = cfg.gconfig
