@@ -110,6 +110,9 @@ class RolloutWorker:
             from transformers import AutoTokenizer
 
             reward_fn = resolve_import(self.reward_target, prefixes)
+            warm_up = getattr(reward_fn, "warm_up", None)
+            if callable(warm_up):  # e.g. verify workers, whose imports overlap the engine's load
+                warm_up()
             workflow_cls = resolve_import(self.workflow_target, prefixes)
             if self.agent_target:  # the agent workflow's `run(client, data)`
                 self.workflow_kwargs["agent"] = resolve_import(self.agent_target, prefixes)

@@ -153,6 +153,30 @@ def test_close_ends_workers_and_refuses_calls():
         assert not Path(f"/proc/{pid}").exists()
 
 
+def test_start_spawns_the_workers_before_the_first_call_and_they_serve_it():
+    pool = VerifyPool(n_workers=2)
+    try:
+        assert pool.worker_pids() == []  # lazy without start
+        pool.start()
+        pids = pool.worker_pids()
+        assert len(pids) == 2
+        pool.start()  # idempotent: running workers are kept
+        assert pool.worker_pids() == pids
+        assert pool.verify_sync("6", "\\boxed{6}") == 1.0
+        assert pool.worker_pids() == pids and pool.stats.restarts == 0
+    finally:
+        pool.close()
+    with pytest.raises(VerifyPoolClosed):
+        pool.start()
+
+
+def test_arl_rewards_start_the_default_pool_in_their_warm_up():
+    for reward in (arith_reward, gsm8k_reward):
+        assert reward.warm_up is vp.start_default_pool
+    vp.start_default_pool()
+    assert len(vp.default_pool().worker_pids()) == vp.default_pool().n_workers
+
+
 def test_workers_exit_when_the_parent_dies(tmp_path):
     """A parent that dies without closing the pool: its worker sees EOF and exits."""
     script = textwrap.dedent(
