@@ -131,7 +131,7 @@ class RolloutConfig:
     batch_order: Literal["finished", "submitted"] = _f(
         "finished",
         "which accepted groups a batch takes: the first to finish (a batch waits behind a long "
-        "generation only in the last step that keeps it within eta) or the first submitted "
+        "generation only where that keeps every group within eta) or the first submitted "
         "(the loader's order: batches, and a resumed run's, do not depend on timing)",
     )
     workflow: str = _f("arl.workflows.rlvr:RLVRWorkflow", "workflow class, module:attribute")

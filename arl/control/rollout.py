@@ -4,10 +4,11 @@ A submit loop acquires a slot from the `StalenessSemaphore`, takes the next prom
 loader and sends it to the rollout node with the fewest groups in flight. A finished group stays
 on its node as a shard; the controller keeps only its `ShardRef` and metadata. The trainer takes
 accepted groups with `prepare_batch`, by ``order``: ``finished`` (the default) in the order they
-finished, except that a group submitted eta versions ago is taken (and waited for) in the last
-batch that keeps it within eta, so a batch waits behind a long generation only where the bound
-needs it, not while later groups are done and hold the staleness budget the engines need;
-``submitted`` in the loader's order, so a run's batches do not depend on timing. Failed and
+finished, except where the groups due within eta (trained by their submission version + eta)
+would not fit in the batches left before they are due: then the batch takes, and waits for,
+those first. So a batch waits behind a long generation only where the bound needs it, not while
+later groups are done and hold the staleness budget the engines need. ``submitted`` takes them
+in the loader's order, so a run's batches do not depend on timing. Failed and
 rejected groups are skipped, and groups too stale for the current version are dropped or kept
 by ``stale_policy``. A checkpoint (`state_dict`) records the first group not taken and the later
 ones already taken, so a resumed run generates every other group again and never trains one
@@ -324,7 +325,7 @@ class RolloutController:
         eta = self.sem.max_staleness
         while len(taken) < batch_size:
             self.check()
-            index = self._next_ready(version)
+            index = self._next_ready(version, batch_size - len(taken))
             if index is None:
                 self._changed.clear()
                 fail = asyncio.ensure_future(self._failed_event.wait())
@@ -348,21 +349,35 @@ class RolloutController:
             taken.append(item)
         return RTensor([t.ref for t in taken], peers=self.peers), [t.info for t in taken]
 
-    def _next_ready(self, version: int) -> int | None:
-        """The index `prepare_batch` takes next at ``version``, if that group has finished.
+    def _next_ready(self, version: int, slots: int) -> int | None:
+        """The index `prepare_batch` takes next at ``version`` with ``slots`` left, if that
+        group has finished; None: wait.
 
-        ``finished`` takes groups as they finish, except a group submitted ``eta`` or more
-        versions ago: this batch is its last within eta, so it is taken first (waited for if
-        still running). Submission versions grow with the index, so such groups are the
-        oldest not taken, from ``_next_take`` on.
+        ``finished`` takes the first finished group that keeps every group within eta. A group
+        submitted at version ``s`` must be trained by version ``s + eta``; the batches of
+        versions ``v .. v + j`` hold ``slots + j * B`` groups, and only groups submitted by now
+        compete for those before ``v + eta``. Where the groups due by ``v + j`` fill those
+        slots, only a group due by then may take one, else the batch waits for one that is.
+        The oldest group (the earliest due) always may.
         """
-        due = self._next_take
-        if self.order == "finished" and (
-            due not in self._sub_version
-            or version - self._sub_version[due] < self.sem.max_staleness
-        ):
-            return next(iter(self._done), None)
-        return due if due in self._done else None
+        oldest = self._next_take
+        if self.order == "submitted":
+            return oldest if oldest in self._done else None
+        eta, per_batch = self.sem.max_staleness, self.sem.batch_size
+        pending = [s for i, s in self._sub_version.items() if i not in self._done or self._done[i]]
+        # limits[j]: the groups submitted by this version are due by version + j.
+        limits = [version + j - eta for j in range(eta)]
+        full = [
+            sum(s <= limit for s in pending) >= slots + j * per_batch
+            for j, limit in enumerate(limits)
+        ]
+        for index, item in self._done.items():
+            if item is None:  # failed or rejected: skipped, it takes no slot
+                return index
+            sub = self._sub_version.get(index, version)
+            if all(sub <= limit for limit, f in zip(limits, full, strict=True) if f):
+                return index
+        return None
 
     def _resolve(self, index: int) -> None:
         """Mark ``index`` taken (or skipped) and move ``_next_take`` past what is resolved."""

@@ -8,9 +8,9 @@ With ``B`` the batch size in prompt groups, ``v`` the current policy version and
 ``accepted`` counts groups ever accepted (the trainer taking a batch does not decrease it), so
 the groups started so far never exceed ``(eta + v + 1) * B``. If groups are taken in the order
 they started (``rollout.batch_order=submitted``), a group started at version ``u`` lands in a
-batch ``k <= u + eta``: it is at most ``eta`` versions old when trained. A long generation can
-still finish late and outlive that bound, all the more when batches take groups as they finish
-(the default), hence `is_stale` for the trainer's per-sample keep/drop.
+batch ``k <= u + eta``: it is at most ``eta`` versions old when trained. Taken as they finish
+(the default), the rollout controller keeps the same bound by taking, first, the groups that
+would otherwise miss it. `is_stale` checks every sample anyway, for the trainer's keep/drop.
 """
 
 from __future__ import annotations

@@ -112,7 +112,13 @@ class RolloutWorker:
             reward_fn = resolve_import(self.reward_target, prefixes)
             warm_up = getattr(reward_fn, "warm_up", None)
             if callable(warm_up):  # e.g. verify workers, whose imports overlap the engine's load
-                warm_up()
+                started = warm_up()
+                if asyncio.iscoroutine(started):
+                    started.close()
+                    raise TypeError(
+                        f"{self.reward_target}.warm_up is async; make it a plain function (it "
+                        "runs once in a thread at rollout setup)"
+                    )
             workflow_cls = resolve_import(self.workflow_target, prefixes)
             if self.agent_target:  # the agent workflow's `run(client, data)`
                 self.workflow_kwargs["agent"] = resolve_import(self.agent_target, prefixes)

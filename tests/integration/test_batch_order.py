@@ -2,7 +2,8 @@
 
 One real rollout node; group g0's episode first sleeps (`tests.support.objects.SlowWorkflow`),
 so later groups finish before it. ``finished`` takes them without waiting for g0, until the
-batch that is g0's last within eta (1 here), which waits for it; ``submitted`` takes g0 first.
+batch that is g0's last within eta, which waits for it (also where several groups are due
+together, eta = 2); ``submitted`` takes g0 first.
 A checkpoint taken after an out-of-order batch records the groups already taken, and a
 controller restored from it generates every other group again (g0 too) and never those.
 """
@@ -89,12 +90,40 @@ def test_a_batch_takes_groups_by_batch_order(tiny_model, order):
         # g0 was still sleeping: the batch is two later groups, and the checkpoint says so.
         assert 0 not in index and len(set(index)) == 2
         assert state["next_index"] == 0 and state["taken_after"] == sorted(index)
-        # At version 1, g0 (submitted at 0) is due within eta = 1: the batch waits for it.
-        assert second[0] == "g0" and second[1] not in keys
+        # At version 1 the groups submitted at 0 (g0..g3) are due within eta = 1: the batch
+        # takes the two not yet taken, waiting for g0.
+        assert sorted(second) == sorted({"g0", "g1", "g2", "g3"} - set(keys))
     else:
         assert index == [0, 1]
         assert state["next_index"] == 2 and state["taken_after"] == []
         assert second == ["g2", "g3"]
+
+
+def test_finished_order_keeps_every_group_within_eta_when_several_are_due(tiny_model):
+    # eta = 2, one group a batch, g0 and g1 slow: by version 2 both are due, but a batch holds
+    # one, so g0 must already be taken at version 1 for g1 to make version 2.
+    rows = make_arith(8, seed=0, split="train")
+    rows[0], rows[1] = ({**r, "slow": SLOW_S} for r in rows[:2])
+
+    async def main():
+        async with local_cluster(1, heartbeat_timeout=30) as (_, (node,), _p):
+            rollout = _controller(await _worker(node, tiny_model), node, rows, "finished")
+            rollout.sem = StalenessSemaphore(1, 2, 8)
+            rollout.start()
+            taken = []
+            try:
+                for version in range(5):
+                    batch, infos = await asyncio.wait_for(rollout.prepare_batch(1, version), 120)
+                    taken.append((batch.refs[0].key, version - infos[0].min_version))
+                    await rollout.resume(version + 1)  # as the trainer's weight sync does
+            finally:
+                await rollout.stop()
+            return taken, rollout.stats
+
+    taken, stats = asyncio.run(main())
+    assert taken[0][0] not in ("g0", "g1"), taken  # the first batch did not wait for them
+    assert {"g0", "g1"} <= {k for k, _ in taken[:3]}, taken
+    assert all(age <= 2 for _, age in taken) and stats.stale_kept == 0, taken
 
 
 def test_a_resumed_run_skips_the_groups_taken_out_of_order(tiny_model):
@@ -133,8 +162,8 @@ def test_a_resumed_run_skips_the_groups_taken_out_of_order(tiny_model):
     assert len(set(resumed)) == 4
     # g0 was running when the checkpoint was taken: it is generated again (submitted at
     # version 1), skipped by the first batch while it sleeps, and due within eta at version 2,
-    # so it leads the second.
-    assert "r0" not in keys[0] and keys[1][0] == "r0"
+    # so the second waits for it.
+    assert "r0" not in keys[0] and "r0" in keys[1]
     for (_batch, infos), ks in zip(batches, keys, strict=True):
         assert [i.data_id for i in infos] == [data_id(rows[int(k[1:])]) for k in ks]
     # The next checkpoint: everything below its first untaken index, and what it lists after

@@ -5,6 +5,7 @@ first batch (`warm_up` in `arl.rewards.gsm8k`'s reward protocol)."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -43,3 +44,12 @@ def test_setup_starts_the_rewards_verify_workers_before_any_group(tiny_model):
         assert vp.default_pool().worker_pids() == pids
     finally:
         vp.default_pool().close()
+
+
+def test_an_async_warm_up_is_refused_at_setup_naming_the_reward(tiny_model):
+    worker = RolloutWorker(
+        model_path=tiny_model, reward="tests.support.deterministic:async_warm_up_reward"
+    )
+    worker.attach_node(SimpleNamespace(allowed_prefixes=("arl.", "tests.")))
+    with pytest.raises(TypeError, match="async_warm_up_reward.warm_up is async; make it a plain"):
+        asyncio.run(worker.setup())

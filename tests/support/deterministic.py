@@ -10,3 +10,15 @@ async def vowel_reward(completion: str, data: dict[str, Any]) -> float:
     GRPO's advantages (and the update) are not zero even for a random model."""
     letters = [c for c in completion.lower() if c.isalpha()]
     return sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0
+
+
+async def _async_warm_up() -> None:
+    pass
+
+
+async def async_warm_up_reward(completion: str, data: dict[str, Any]) -> float:
+    """`vowel_reward` with a ``warm_up`` that is (wrongly) async."""
+    return await vowel_reward(completion, data)
+
+
+async_warm_up_reward.warm_up = _async_warm_up  # type: ignore[attr-defined]
