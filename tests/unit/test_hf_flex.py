@@ -12,12 +12,13 @@ import torch
 
 from arl.config import Config, ConfigError, apply_overrides
 from arl.engines.base import SamplingParams
-from arl.engines.hf import HFEngine
+from arl.engines.hf import HFEngine, flex
 from arl.engines.hf.attention import grouped_decode_attention
 from arl.engines.hf.flex import (
     FlexDecodeMask,
     _compiled_flex,
     _eager_flex,
+    _run_compiled,
     flex_decode_attention,
 )
 from arl.engines.hf.kv_cache import SlotKVCache
@@ -85,7 +86,7 @@ def test_flex_decode_matches_sdpa_with_the_additive_mask(block: int) -> None:
     q, k, v = _decode_inputs(seed=block)
     expected = _sdpa(q, k, v)
     mask = _mask(block)
-    for attend in (_eager_flex, _compiled_flex):
+    for attend in (_eager_flex, _run_compiled):
         out = _flex(q, k, v, mask, attend)
         assert out.shape == expected.shape == (len(LENGTHS), 1, HEADS, DIM)
         assert (out - expected).abs().max().item() < 1e-5
@@ -101,10 +102,10 @@ def test_compiled_flex_never_reads_the_blocks_past_a_rows_length(block: int) -> 
         end = -(-n // block) * block
         k[b, :, end:] = v[b, :, end:] = float("nan")
     mask = _mask(block)
-    out = _flex(q, k, v, mask, _compiled_flex)
+    out = _flex(q, k, v, mask, _run_compiled)
     assert (out - expected).abs().max().item() < 1e-5
     mask.num_blocks.fill_(WIDTH // block)  # the same lengths, but every block listed
-    assert _flex(q, k, v, mask, _compiled_flex)[1:].isnan().any()
+    assert _flex(q, k, v, mask, _run_compiled)[1:].isnan().any()
 
 
 def test_cache_rows_hold_whole_blocks() -> None:
@@ -200,3 +201,27 @@ def test_flex_falls_back_to_sdpa_where_it_cannot_compile(
     assert "No working C++ compiler" in caplog.text and "decoding with SDPA" in caplog.text
     expected, _ = _generate(tiny)
     assert [r.output_ids for r in results] == [r.output_ids for r in expected]
+
+
+def test_a_shape_that_fails_to_compile_after_the_build_decodes_eagerly(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The build's probe passed, then a new shape cannot compile (no C++ compiler by now): that
+    step, and every later one, runs torch's reference with one warning, and rollout goes on."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(flex, "_BROKEN", False)
+    q, k, v = _decode_inputs(seed=3)
+    mask = _mask(64)
+    torch._dynamo.reset()
+    try:
+        no_compiler = {"cpp.cxx": ("/nonexistent/g++",), "fx_graph_cache": False}
+        with inductor_config.patch(no_compiler), caplog.at_level(logging.WARNING):
+            out = _flex(q, k, v, mask, _compiled_flex)
+            again = _flex(q, k, v, mask, _compiled_flex)
+    finally:
+        torch._dynamo.reset()
+    assert flex._BROKEN
+    assert caplog.text.count("compiled flex_attention failed") == 1
+    for got in (out, again):
+        assert (got - _sdpa(q, k, v)).abs().max().item() < 1e-5

@@ -107,7 +107,7 @@ class FlexDecodeMask:
         return mask
 
 
-def _compiled_flex(
+def _run_compiled(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: BlockMask, scale: float
 ) -> torch.Tensor:
     global _COMPILED
@@ -117,6 +117,26 @@ def _compiled_flex(
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     with config.patch({name: max(getattr(config, name), _RECOMPILE_LIMIT)}):
         return _COMPILED(query, key, value, block_mask=mask, scale=scale)
+
+
+_BROKEN = False  # compiled flex failed at a shape after the build's probe passed
+
+
+def _compiled_flex(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: BlockMask, scale: float
+) -> torch.Tensor:
+    global _BROKEN
+    if not _BROKEN:
+        try:
+            return _run_compiled(query, key, value, mask, scale)
+        except Exception as exc:  # noqa: BLE001 - a shape the build's probe did not cover
+            # Compilation runs in the eager passes before a graph is captured, so the reference
+            # can stand in from here on: slower (it reads every position), but rollout goes on.
+            why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+            shape = tuple(query.shape)
+            logger.warning("compiled flex_attention failed at %s (%s); eager from here", shape, why)
+            _BROKEN = True
+    return _eager_flex(query, key, value, mask, scale)
 
 
 def _eager_flex(
@@ -197,7 +217,7 @@ def flex_decode(
         q = torch.zeros(1, kv_heads, heads // kv_heads, dim, dtype=param.dtype, device=device)
         kv = torch.zeros(1, kv_heads, KV_BLOCK, dim, dtype=param.dtype, device=device)
         with torch.no_grad():
-            _compiled_flex(q, kv, kv, probe.block_mask(1, KV_BLOCK), dim**-0.5)
+            _run_compiled(q, kv, kv, probe.block_mask(1, KV_BLOCK), dim**-0.5)
     except Exception as exc:  # noqa: BLE001 - any compiler failure: keep SDPA
         # The first line names the cause; the rest is the compiler's whole graph dump.
         why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
