@@ -225,6 +225,31 @@ def summarize(
     return out
 
 
+def first_batch(rows: list[dict], samples: list, events: list[dict], batch_size: int) -> dict:
+    """Where step 1's wait for its first batch went, in seconds from the start of step 1: the
+    engines' first decoded token (from the 0.25 s engine samples), the first and the
+    ``batch_size``-th prompt group to finish (generation and reward, from the trace), the train
+    ranks' warm-up end (the trainer waits for it too), and when the batch was taken."""
+    from arl.stats.trace import spans
+
+    row = rows[0]
+    start_wall = row["time"] - row["time/step_s"]
+    out: dict[str, float | None] = {"batch_taken_s": row["time/wait_rollout_s"]}
+    decoding = [t for t, hs in samples if sum(h.get("generated_tokens", 0) or 0 for h in hs)]
+    out["first_token_by_s"] = min(decoding) - start_wall if decoding else None
+    sp = spans(events)
+    wait = next((x for x in sp if x["name"] == "wait_rollout" and x["args"].get("step") == 1), None)
+    if wait is None:
+        wait = next((x for x in sp if x["name"] == "wait_rollout"), None)
+    t0 = wait["start"] if wait is not None else 0.0
+    done = sorted(x["end"] - t0 for x in sp if x["name"] == "generate")
+    out["first_group_s"] = done[0] if done else None
+    out["batch_groups_s"] = done[batch_size - 1] if len(done) >= batch_size else None
+    warm = [x["end"] - t0 for x in sp if x["name"] == "warm_up"]
+    out["warm_up_end_s"] = max(warm) if warm else None
+    return out
+
+
 def issue_figures(rows: list[dict], m: dict, name: str) -> dict:
     """The figures under issue 16's keys (``name`` is the recipe's stem): sums and medians over
     the steps the issue names (1-N for the step-time sum, 3-N for the gsm8k medians)."""
@@ -284,6 +309,17 @@ def report(m: dict, floors: dict) -> str:
             f"{p['device_busy_s']:.3f} s, {p['kernels']} kernels, {p['host_syncs']} host syncs, "
             f"{p['device_mallocs']} device mallocs; fixed overhead {m['fixed_overhead_s']:.3f} s"
         )
+    if "step1" in m:
+        f = m["step1"]
+
+        def at(key: str) -> str:
+            return "-" if f.get(key) is None else f"{f[key]:.2f} s"
+
+        lines.append(
+            f"step 1, from its start: engines' first token by {at('first_token_by_s')}, first "
+            f"group done {at('first_group_s')}, the batch's last {at('batch_groups_s')}, train "
+            f"warm-up done {at('warm_up_end_s')}, batch taken {at('batch_taken_s')}"
+        )
     if m["eval_accuracy"]:
         lines.append(f"eval accuracy (step, value): {m['eval_accuracy']}")
     return "\n".join(lines)
@@ -335,6 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     profile = json.loads(prof_file.read_text()) if prof_file.exists() else None
     n_params = _model_params(cfg.actor.path)
     m = summarize(rows, floors, n_params, run["samples"], profile, a.profile_step)
+    trace = cfg.run_path / "trace.json"
+    if trace.exists():
+        from arl.stats.trace import load_trace
+
+        events = load_trace(trace)
+        m["step1"] = first_batch(rows, run["samples"], events, cfg.data.batch_size)
     m["issue16"] = issue_figures(rows, m, Path(a.recipe).stem)
     m |= {
         "recipe": a.recipe,
