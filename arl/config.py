@@ -532,6 +532,13 @@ def _validation_problems(cfg: Config) -> list[str]:
             parse_backend(get_key(cfg, key), role)  # type: ignore[arg-type]
         except ConfigError as e:
             problems.append(f"{key}: {e}")
+    rollout_engine = cfg.rollout.backend.split(":")[0].strip()
+    check(
+        "rollout.hf_decode_attention",
+        cfg.rollout.hf_decode_attention == "sdpa" or rollout_engine == "hf",
+        f"applies to the hf engine only; rollout.backend={cfg.rollout.backend!r} (a server "
+        "chooses its own attention kernels)",
+    )
 
     e = cfg.experiment
     for key in ("experiment.name", "experiment.trial"):

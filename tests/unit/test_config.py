@@ -272,6 +272,13 @@ def test_validate_catches_choices_set_in_code():
     assert "actor.layout='dense': choose one of auto, packed, padded" in str(e.value)
 
 
+def test_flex_decode_attention_is_refused_for_a_server_engine():
+    cfg = apply_overrides(Config(), ["rollout.backend=vllm:d1", "rollout.hf_decode_attention=flex"])
+    with pytest.raises(ConfigError, match="hf_decode_attention='flex': applies to the hf engine"):
+        cfg.validate()
+    apply_overrides(Config(), ["rollout.hf_decode_attention=flex"]).validate()
+
+
 def test_validate_lists_every_problem_at_once():
     cfg = apply_overrides(Config(), ["data.batch_size=0", "actor.eps_clip=0"])
     with pytest.raises(ConfigError) as e:
