@@ -343,6 +343,8 @@ class RolloutController:
             if oldest >= 0 and is_stale(oldest, version, eta):
                 if self.stale_policy == "drop":
                     self.stats.stale_dropped += 1
+                    self._accepted_taken -= 1
+                    self.sem.forget()  # its replacement takes its place in the budget
                     await self.free([item.ref])
                     continue
                 self.stats.stale_kept += 1

@@ -118,6 +118,14 @@ class StalenessSemaphore:
             self._accepted += 1
         self._wake_all()
 
+    def forget(self) -> None:
+        """Take back one accepted group that will never be trained (dropped as too stale):
+        its place in the budget goes to a replacement, so drops do not narrow eta for good."""
+        if self._accepted <= 0:
+            raise StalenessError("forget() with no accepted group to take back")
+        self._accepted -= 1
+        self._wake_all()
+
     def set_version(self, version: int) -> None:
         """Record a new policy version and wake waiters (versions never go back)."""
         if self._version_source is not None:

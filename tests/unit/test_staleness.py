@@ -63,6 +63,23 @@ def test_accepted_release_does_not_free_a_staleness_slot_but_a_rejected_one_does
     asyncio.run(main())
 
 
+def test_a_forgotten_accepted_group_gives_its_place_back():
+    async def main() -> None:
+        sem = StalenessSemaphore(batch_size=1, max_staleness=0, max_concurrent=100)
+        await sem.acquire()
+        sem.release(accepted=True)
+        nxt = asyncio.create_task(sem.acquire())
+        await _spin()
+        assert not nxt.done()  # the budget of version 0 is spent
+        sem.forget()  # that group was dropped as too stale: a replacement may start
+        await _spin()
+        assert nxt.done() and (sem.running, sem.accepted) == (1, 0)
+        with pytest.raises(StalenessError, match="no accepted group"):
+            sem.forget()
+
+    asyncio.run(main())
+
+
 def test_accepted_release_frees_a_concurrency_slot():
     async def main() -> None:
         sem = StalenessSemaphore(batch_size=10, max_staleness=0, max_concurrent=1)
