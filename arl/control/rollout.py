@@ -8,9 +8,9 @@ finished, except where the groups due within eta (trained by their submission ve
 would not fit in the batches left before they are due: then the batch takes, and waits for,
 those first. So a batch waits behind a long generation only where the bound needs it, not while
 later groups are done and hold the staleness budget the engines need. ``submitted`` takes them
-in the loader's order, so a run's batches do not depend on timing. Failed and
-rejected groups are skipped, and groups too stale for the current version are dropped or kept
-by ``stale_policy``. A checkpoint (`state_dict`) records the first group not taken and the later
+in the loader's order, so a run's batches do not depend on timing. Failed and rejected groups
+are skipped, and groups too stale for the current version are dropped or kept by
+``stale_policy``. A checkpoint (`state_dict`) records the first group not taken and the later
 ones already taken, so a resumed run generates every other group again and never trains one
 twice.
 """
