@@ -46,11 +46,12 @@ def test_loop_bench_writes_every_phase_beside_its_floor(tmp_path, tiny_model, ca
     assert r["trained_gen_tokens_per_s"] > 0
     assert r["mean_decode_batch"] >= 1 and 0 < r["busy_share"] <= 1
     # Step 1's wait, taken apart: its batch is taken once its groups are done and the train
-    # ranks warmed up, and decoding began before the first group was done.
+    # ranks warmed up; the engines were seen decoding by then (their counters are sampled every
+    # 0.25 s, each sample an RPC, so "by" is late by up to a period and a loaded reply).
     f = m["step1"]
     assert f["first_group_s"] <= f["batch_groups_s"] <= f["batch_taken_s"] + 0.05
     assert f["warm_up_end_s"] <= f["batch_taken_s"] + 0.05
-    assert f["first_token_by_s"] is not None and f["first_token_by_s"] <= f["batch_taken_s"] + 0.3
+    assert f["first_token_by_s"] is not None and f["first_token_by_s"] <= f["batch_taken_s"] + 2
     # The profiled step cycle left its files and figures.
     assert m["profile"]["window_s"] > 0 and m["fixed_overhead_s"] is not None
     assert (tmp_path / "runs" / "loop" / "bench" / "profile" / "top_ops_rank0.txt").exists()
