@@ -34,6 +34,7 @@ from arl.control.rollout import RolloutController
 from arl.control.staleness import StalenessSemaphore
 from arl.data.loader import StatefulLoader
 from arl.engines.spec import SERVER_ENGINES, engine_spec
+from arl.protocol.errors import RemoteError
 from arl.protocol.imports import resolve_import
 from arl.protocol.remote import TrainRanks
 from arl.protocol.report import GroupReport
@@ -337,10 +338,17 @@ class PPOTrainer:
             batch, infos = await self.rollout.prepare_batch(cfg.data.batch_size, self.version)
             await warm  # done after the first step
             t_rollout = time.monotonic() - t0
-            async with self._gpu_turn():
-                metrics = await self.train_step(batch)
-                t1 = time.monotonic()
-                metrics.update(await self.weight_sync.sync(self.version + 1))
+            try:
+                async with self._gpu_turn():
+                    metrics = await self.train_step(batch)
+                    t1 = time.monotonic()
+                    metrics.update(await self.weight_sync.sync(self.version + 1))
+            except RemoteError:
+                # A rank that failed while rollout had already stopped (a rollout node lost
+                # while a rank pulled its shards): rollout's error is the cause the run reports
+                # and the supervisor judges.
+                self.rollout.check()
+                raise
             self.version += 1
             if cfg.weight_sync.verify:
                 metrics.update(await self.verify_weights())
