@@ -78,6 +78,10 @@ class DecodeGraphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
+    def items(self) -> list[tuple[tuple[int, int], DecodeGraph]]:
+        """The captured graphs as ``((rows, width), graph)`` pairs."""
+        return list(self._graphs.items())
+
     def get(
         self,
         rows: int,
