@@ -191,11 +191,13 @@ def bench_engine(
     new: int,
     stock: bool = False,
     decode_attention: str = "sdpa",
+    device: str = "cuda",
 ) -> dict[str, float]:
     """hf engine: wall seconds for ``batch`` requests of ``new`` tokens, and a step breakdown.
 
     ``prompt_len``: one length for every prompt, or one per prompt. ``stock`` builds the engine
-    as it was before the decode fixes (stock sdpa, no compiled blocks).
+    as it was before the decode fixes (stock sdpa, no compiled blocks). Off CUDA (the CPU test
+    of this function) the engine runs in fp32 without graphs, so there is no breakdown.
     """
     from arl.engines.base import SamplingParams
     from arl.engines.hf import HFEngine
@@ -207,8 +209,8 @@ def bench_engine(
     prompts = [p[:n] for p, n in zip(full, lengths, strict=True)]
     with HFEngine(
         path,
-        device="cuda",
-        dtype="bfloat16",
+        device=device,
+        dtype="bfloat16" if torch.device(device).type == "cuda" else "float32",
         max_batch_size=batch,
         max_seq_len=longest + new + 8,
         max_prefill_tokens=max(8192, longest * batch),
@@ -230,10 +232,10 @@ def bench_engine(
         asyncio.run(once())
         asyncio.run(once())
         steps0 = asyncio.run(eng.health())["steps"]
-        _sync()
+        _sync(device)
         t0 = time.perf_counter()
         results = asyncio.run(once())
-        _sync()
+        _sync(device)
         wall = time.perf_counter() - t0
         steps = asyncio.run(eng.health())["steps"] - steps0
         assert all(len(r.output_ids) == new for r in results), "a request ended early"

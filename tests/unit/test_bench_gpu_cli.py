@@ -38,3 +38,15 @@ def test_mixed_lengths_spread_over_the_range() -> None:
 def test_without_a_gpu_it_says_so(capsys) -> None:
     assert gpu.main(["--only", "decode_flex"]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_engine_bench_runs_a_real_engine_on_the_cpu(tmp_path, attention: str) -> None:
+    """`bench_engine`, which the decode sections time on the GPU, runs end to end on a real hf
+    engine here (without graphs, so without the forward/sampling breakdown)."""
+    from tests.support.tiny_model import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "tiny")
+    out = gpu.bench_engine(path, 3, [5, 9, 17], 6, decode_attention=attention, device="cpu")
+    assert out["wall"] > 0 and out["steps"] >= 6
+    assert out["forward"] != out["forward"]  # nan: no graphs to replay alone off CUDA
