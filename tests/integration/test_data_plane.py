@@ -14,7 +14,13 @@ import torch
 import zmq
 import zmq.asyncio
 
-from arl.node.data_plane import DataPlaneClient, DataPlaneServer, ShardUnavailable, plan_chunks
+from arl.node.data_plane import (
+    DataPlaneClient,
+    DataPlaneServer,
+    ShardUnavailable,
+    _Peer,
+    plan_chunks,
+)
 from arl.node.shard_store import ShardStore, sweep_orphans
 from arl.protocol.rtensor import RTensor, ShardRef
 from arl.wire.sockets import Authenticator, Security, bind_tcp, make_socket, new_secret
@@ -246,7 +252,17 @@ async def main():
         store.put(k, s)
     sock = make_socket(ctx, zmq.ROUTER, security, server=True)
     addr = bind_tcp(sock, "127.0.0.1", int(sys.argv[3]))
-    server = DataPlaneServer(store, sock, chunk_bytes=int(sys.argv[2]))
+    server_class = DataPlaneServer
+    if sys.argv[4:] == ["exit-after-pull"]:
+        class server_class(DataPlaneServer):
+            async def _pull(self, *args):
+                await super()._pull(*args)
+                sock.close(-1)  # lingers: the reply queued above still goes out
+                auth.stop()
+                ctx.term()  # returns once it has
+                store.close()
+                os._exit(0)
+    server = server_class(store, sock, chunk_bytes=int(sys.argv[2]))
     server.start()
     print(addr, flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
@@ -261,8 +277,11 @@ asyncio.run(main())
 )
 
 
-def _start_owner(run_id: str, secret: str, port: int = 0) -> tuple[subprocess.Popen, str]:
-    """Node 'rollout-7' in a child process, holding make_shards(4), on 127.0.0.1:``port``."""
+def _start_owner(
+    run_id: str, secret: str, port: int = 0, *mode: str
+) -> tuple[subprocess.Popen, str]:
+    """Node 'rollout-7' in a child process, holding make_shards(4), on 127.0.0.1:``port``;
+    mode ``exit-after-pull``: the process exits once it has sent its first pull reply."""
     env = {
         **os.environ,
         "ARL_SECRET": secret,
@@ -270,7 +289,7 @@ def _start_owner(run_id: str, secret: str, port: int = 0) -> tuple[subprocess.Po
         "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
     }
     proc = subprocess.Popen(
-        [sys.executable, "-c", _OWNER, run_id, str(CHUNK), str(port)],
+        [sys.executable, "-c", _OWNER, run_id, str(CHUNK), str(port), *mode],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env=env,
@@ -426,3 +445,43 @@ def test_owner_that_refuses_our_secret_fails_the_pull_at_once() -> None:
                 mine.close()
 
     asyncio.run(main())
+
+
+def test_a_reply_received_before_the_owner_died_completes_its_pull(monkeypatch) -> None:
+    # A reader slower than the monitor, as a busy loop can make it: the monitor sees the
+    # connection end while the owner's whole reply still waits in the DEALER.
+    async def late_read(self: _Peer) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self._deliver(await self.sock.recv_multipart(copy=False))
+
+    monkeypatch.setattr(_Peer, "_read", late_read)
+    run_id = _run_id()
+    secret = new_secret()
+    shards = make_shards(4)  # noqa: F821
+    small = ["g0", "g2", "g3"]  # one chunk in all: the whole reply fits the DEALER's queue
+    refs = [ShardRef("rollout-7", k, 0, 0) for k in small]
+    proc, addr = _start_owner(run_id, secret, 0, "exit-after-pull")
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        store = ShardStore(run_id, "trainer")
+        client = DataPlaneClient(
+            store, ctx=ctx, security=Security(secret), timeout=60.0, force_tcp=True
+        )
+        try:
+            got = await client.pull(RTensor(refs, peers={"rollout-7": addr}))
+            for k, tensors in zip(small, got, strict=True):
+                _assert_bit_identical(tensors, shards[k])
+            assert await asyncio.to_thread(proc.wait) == 0  # it answered, then exited
+            store.free(small)
+        finally:
+            await client.close()
+            store.close()
+            ctx.destroy(linger=0)
+
+    try:
+        asyncio.run(main())
+    finally:
+        _end(proc)
+        sweep_orphans(run_id)
