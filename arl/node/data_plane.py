@@ -30,7 +30,7 @@ import logging
 import mmap
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import zmq
@@ -67,11 +67,24 @@ class ShardUnavailable(RuntimeError):
 
     Raised at once when the owner closed its connection, refused the handshake or answered
     that it lacks the key; after the client's timeout when the owner is silent or unreachable.
+    A gone owner (closed connection, timeout) raises the subclass `OwnerLost`.
     """
 
     def __init__(self, node: str, key: str, reason: str):
         self.node, self.key, self.reason = node, key, reason
         super().__init__(f"shard {key!r} on node {node!r} is unavailable: {reason}")
+
+
+class OwnerLost(ShardUnavailable):
+    """The owner is gone: it closed its connection (died or restarted) or did not answer within
+    the client's timeout. Unlike a missing key, a fresh cluster may get past it."""
+
+
+class _Closed(NamedTuple):
+    """What a request learns when its connection is closed: the error to raise, and why."""
+
+    error: type[ShardUnavailable]
+    reason: str
 
 
 def _error(msg_id: int, exc_type: str, message: str, **extra: Any) -> list[Any]:
@@ -229,12 +242,12 @@ class _Peer:
         addr: str,
         sock: LoopSocket,
         ctx: zmq.Context,
-        on_lost: Callable[[_Peer, str], None],
+        on_lost: Callable[[_Peer, str, type[ShardUnavailable]], None],
     ):
         self.node, self.addr, self.sock = node, addr, sock
         self.host: str | None = None
         self.pending: dict[int, asyncio.Queue] = {}
-        self.closed: str | None = None  # why, once closed
+        self.closed: _Closed | None = None
         self.hello_lock = asyncio.Lock()
         # A unique address: pyzmq's get_monitor_socket names it after a descriptor number,
         # which a closed socket frees for reuse, so a new peer could meet an old one's monitor.
@@ -261,7 +274,7 @@ class _Peer:
         if q is not None:  # else: a reply to a request that already gave up
             q.put_nowait((msg, frames[1:]))
 
-    async def _watch(self, on_lost: Callable[[_Peer, str], None]) -> None:
+    async def _watch(self, on_lost: Callable[[_Peer, str, type[ShardUnavailable]], None]) -> None:
         made = False  # a connection was made (handshake done); one never made is left to timeouts
         lost: str | None = None
         while True:
@@ -284,10 +297,10 @@ class _Peer:
                 lost = f"the owner at {self.addr} closed the connection (node dead or restarted?)"
             elif kind in _HANDSHAKE_FAILED:
                 # No reply can have come over a connection that never finished its handshake.
-                on_lost(self, _handshake_failure(self.addr, kind, value))
+                on_lost(self, _handshake_failure(self.addr, kind, value), ShardUnavailable)
                 return
         await self._drain()
-        on_lost(self, lost)
+        on_lost(self, lost, OwnerLost)
 
     async def _drain(self) -> None:
         """Hand every complete message the DEALER already holds to its request."""
@@ -300,11 +313,12 @@ class _Peer:
                 return
             self._deliver(frames)
 
-    def close(self, reason: str) -> None:
-        """Fail the pending requests with ``reason``; end both tasks and close both sockets."""
+    def close(self, reason: str, error: type[ShardUnavailable] = ShardUnavailable) -> None:
+        """Fail the pending requests (``error`` with ``reason``); end both tasks, close both
+        sockets."""
         if self.closed is not None:
             return
-        self.closed = reason
+        self.closed = closed = _Closed(error, reason)
         current = asyncio.current_task()
         for task in (self.reader, self.watcher):
             if task is not current:
@@ -314,7 +328,7 @@ class _Peer:
         self.mon.close(0)
         self.sock.close(0)
         for q in self.pending.values():
-            q.put_nowait(reason)
+            q.put_nowait(closed)
         self.pending.clear()
 
     async def wait_closed(self) -> None:
@@ -434,14 +448,16 @@ class DataPlaneClient:
             peer = self._peers[node] = _Peer(node, addr, sock, self.ctx, self._drop)
         return peer
 
-    def _drop(self, peer: _Peer, reason: str) -> None:
+    def _drop(
+        self, peer: _Peer, reason: str, error: type[ShardUnavailable] = ShardUnavailable
+    ) -> None:
         if self._peers.get(peer.node) is peer:
             del self._peers[peer.node]
-        peer.close(reason)
+        peer.close(reason, error)
 
     async def _request(self, peer: _Peer, key: str, msg: Message) -> tuple[asyncio.Queue, int]:
         if peer.closed is not None:  # lost while this pull waited for its hello
-            raise ShardUnavailable(peer.node, key, peer.closed)
+            raise peer.closed.error(peer.node, key, peer.closed.reason)
         q: asyncio.Queue = asyncio.Queue()
         peer.pending[msg.id] = q
         try:
@@ -449,25 +465,27 @@ class DataPlaneClient:
                 peer.sock.send_multipart(encode_message(msg), copy=False), self.timeout
             )
         except TimeoutError:
-            self._drop(peer, f"connection to {peer.addr} closed: a send timed out")
-            raise ShardUnavailable(
+            self._drop(peer, f"connection to {peer.addr} closed: a send timed out", OwnerLost)
+            raise OwnerLost(
                 peer.node, key, f"cannot send to {peer.addr} within {self.timeout}s"
             ) from None
         except SocketClosed:  # lost during the send
             peer.pending.pop(msg.id, None)
-            raise ShardUnavailable(peer.node, key, peer.closed or "connection closed") from None
+            closed = peer.closed or _Closed(ShardUnavailable, "connection closed")
+            raise closed.error(peer.node, key, closed.reason) from None
         return q, msg.id
 
     async def _next(self, peer: _Peer, q: asyncio.Queue, key: str) -> tuple[Message, list]:
         try:
             item = await asyncio.wait_for(q.get(), self.timeout)
         except TimeoutError:
-            self._drop(peer, f"connection to {peer.addr} closed: another request timed out")
-            raise ShardUnavailable(
+            why = f"connection to {peer.addr} closed: another request timed out"
+            self._drop(peer, why, OwnerLost)
+            raise OwnerLost(
                 peer.node, key, f"no answer from {peer.addr} within {self.timeout}s (node dead?)"
             ) from None
-        if isinstance(item, str):  # the connection was lost or closed: why
-            raise ShardUnavailable(peer.node, key, item)
+        if isinstance(item, _Closed):
+            raise item.error(peer.node, key, item.reason)
         msg, frames = item
         if msg.op == "err":
             a = msg.args if isinstance(msg.args, dict) else {}

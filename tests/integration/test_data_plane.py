@@ -17,6 +17,7 @@ import zmq.asyncio
 from arl.node.data_plane import (
     DataPlaneClient,
     DataPlaneServer,
+    OwnerLost,
     ShardUnavailable,
     _Peer,
     plan_chunks,
@@ -194,7 +195,7 @@ def test_pull_from_several_owners_and_missing_key() -> None:
             with pytest.raises(ShardUnavailable, match="'g3' on node 'r1'") as e:
                 await client.pull(RTensor(refs, peers=peers))
             assert e.value.node == "r1" and e.value.key == "g3"
-            assert "does not hold" in str(e.value)
+            assert "does not hold" in str(e.value) and not isinstance(e.value, OwnerLost)
             assert _held(mine) == (0, 0)
 
             # An owner the RTensor gives no address for.
@@ -351,9 +352,8 @@ def test_pull_across_processes_shm_and_tcp_then_owner_dies() -> None:
             shm_store.free(list(shards))
             # If the client saw the connection end before this pull, the pull connects afresh
             # and waits out its timeout (nothing listens); if during it, it fails at once.
-            with pytest.raises(
-                ShardUnavailable, match="'g0' on node 'rollout-7'.*(no answer|closed the conn)"
-            ):
+            gone = "'g0' on node 'rollout-7'.*(no answer|closed the connection)"
+            with pytest.raises(OwnerLost, match=gone):
                 await shm_client.pull(batch)
             await shm_client.close()
             shm_store.close()
@@ -401,6 +401,7 @@ def test_owner_killed_mid_pull_fails_at_once_and_its_restart_serves_the_next_pul
                 # Far inside the client's 60 s timeout, which the pull used to wait out.
                 await asyncio.wait_for(pending, 10.0)
             assert e.value.node == "rollout-7" and e.value.key == "g0"
+            assert isinstance(e.value, OwnerLost)  # gone, not short of the key
             assert _held(store) == (0, 0)
 
             # Restarted at the same address, the owner serves the next pull (a new connection).
@@ -439,6 +440,7 @@ def test_owner_that_refuses_our_secret_fails_the_pull_at_once() -> None:
                 with pytest.raises(ShardUnavailable, match="'g0' on node 'owner'.*refused") as e:
                     await asyncio.wait_for(pull, 10.0)  # not the client's 60 s timeout
                 assert "another run's secret?" in e.value.reason
+                assert not isinstance(e.value, OwnerLost)  # a restart would meet the same refusal
                 assert _held(mine) == (0, 0)
             finally:
                 await client.close()
