@@ -12,6 +12,14 @@ nodes through one DEALER per owner (``DataPlaneClient``). Messages are arl wire 
 
 Chunk frames are zero-copy views of the owner's buffers, so the owner queues a whole reply at
 once; TCP back-pressure from the client's receive high-water mark paces it.
+
+Failures raise ``ShardUnavailable`` naming the owner and the key. ZeroMQ hides a peer's death,
+so each DEALER's monitor watches its connection: when the owner's kernel closes it (the process
+was killed, ran out of memory, or restarted) the pulls waiting on that owner fail at once, after
+the replies already received are delivered, and the next pull connects afresh; a refused
+handshake (another run's secret) fails at once too. An owner that is silent with its connection
+open (a host that vanished without closing TCP, a frozen process) or was never reached (not up
+yet) still costs the client's timeout, ``DEFAULT_TIMEOUT`` unless configured.
 """
 
 from __future__ import annotations
@@ -20,11 +28,13 @@ import asyncio
 import itertools
 import logging
 import mmap
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from arl.node.shard_store import (
     ShardMeta,
@@ -37,7 +47,7 @@ from arl.node.shard_store import (
 )
 from arl.protocol.rtensor import RTensor, ShardRef, is_wire_rtensor
 from arl.wire.codec import Message, WireError, decode_message, encode_message, peek_id
-from arl.wire.sockets import LoopSocket, Security, host_id, make_socket
+from arl.wire.sockets import LoopSocket, Security, SocketClosed, host_id, make_socket
 
 log = logging.getLogger(__name__)
 
@@ -46,16 +56,35 @@ log = logging.getLogger(__name__)
 # libzmq allocates every received message; small chunks reuse malloc'd memory, big ones fault
 # in fresh pages, and the client copies one chunk while the next is on the wire.
 DEFAULT_CHUNK_BYTES = 1 << 20
+# How long a silent owner may keep a pull waiting: one whose connection ends fails at once, so
+# this bounds hosts lost without closing TCP, frozen owners and owners never reached.
 DEFAULT_TIMEOUT = 30.0
 _RECV_QUEUE = 16  # messages
 
 
 class ShardUnavailable(RuntimeError):
-    """A shard could not be pulled: its owner is gone, silent, or does not hold it."""
+    """A shard could not be pulled: its owner is gone, silent, or does not hold it.
+
+    Raised at once when the owner closed its connection, refused the handshake or answered
+    that it lacks the key; after the client's timeout when the owner is silent or unreachable.
+    A gone owner (closed connection, timeout) raises the subclass `OwnerLost`.
+    """
 
     def __init__(self, node: str, key: str, reason: str):
         self.node, self.key, self.reason = node, key, reason
         super().__init__(f"shard {key!r} on node {node!r} is unavailable: {reason}")
+
+
+class OwnerLost(ShardUnavailable):
+    """The owner is gone: it closed its connection (died or restarted) or did not answer within
+    the client's timeout. Unlike a missing key, a fresh cluster may get past it."""
+
+
+class _Closed(NamedTuple):
+    """What a request learns when its connection is closed: the error to raise, and why."""
+
+    error: type[ShardUnavailable]
+    reason: str
 
 
 def _error(msg_id: int, exc_type: str, message: str, **extra: Any) -> list[Any]:
@@ -201,33 +230,141 @@ class DataPlaneServer:
 
 # ---- client -------------------------------------------------------------------------------------
 class _Peer:
-    """One owner node's connection: a DEALER, its reader task, and the requests in flight."""
+    """One owner node's connection: a DEALER, its reader and monitor tasks, the requests in flight.
 
-    def __init__(self, node: str, addr: str, sock: LoopSocket):
+    The monitor reports the end of an established connection (the owner's kernel closed TCP)
+    and refused handshakes; ``on_lost`` then drops the peer, failing what is pending at once.
+    """
+
+    def __init__(
+        self,
+        node: str,
+        addr: str,
+        sock: LoopSocket,
+        ctx: zmq.Context,
+        on_lost: Callable[[_Peer, str, type[ShardUnavailable]], None],
+    ):
         self.node, self.addr, self.sock = node, addr, sock
         self.host: str | None = None
         self.pending: dict[int, asyncio.Queue] = {}
-        self.reader = asyncio.create_task(self._read(), name=f"data-peer-{node}")
+        self.closed: _Closed | None = None
         self.hello_lock = asyncio.Lock()
+        # A unique address: pyzmq's get_monitor_socket names it after a descriptor number,
+        # which a closed socket frees for reuse, so a new peer could meet an old one's monitor.
+        address = f"inproc://arl-data-peer-{next(_monitor_ids)}-{id(self)}"
+        sock.monitor(address, _PEER_EVENTS)
+        self.mon = LoopSocket(ctx.socket(zmq.PAIR, socket_class=zmq.Socket))
+        self.mon.linger = 0
+        self.mon.connect(address)  # before connecting the DEALER: no event is missed
+        sock.connect(addr)
+        self.reader = asyncio.create_task(self._read(), name=f"data-peer-{node}")
+        self.watcher = asyncio.create_task(self._watch(on_lost), name=f"data-peer-mon-{node}")
 
     async def _read(self) -> None:
         while True:
-            frames = await self.sock.recv_multipart(copy=False)
-            try:
-                msg = decode_message(frames[:1])
-            except WireError as e:
-                log.warning("malformed data-plane reply from node %s dropped: %s", self.node, e)
-                continue
-            q = self.pending.get(msg.id)
-            if q is not None:  # else: a reply to a request that already gave up
-                q.put_nowait((msg, frames[1:]))
+            self._deliver(await self.sock.recv_multipart(copy=False))
 
-    def close(self, reason: str) -> None:
+    def _deliver(self, frames: list) -> None:
+        try:
+            msg = decode_message(frames[:1])
+        except WireError as e:
+            log.warning("malformed data-plane reply from node %s dropped: %s", self.node, e)
+            return
+        q = self.pending.get(msg.id)
+        if q is not None:  # else: a reply to a request that already gave up
+            q.put_nowait((msg, frames[1:]))
+
+    async def _watch(self, on_lost: Callable[[_Peer, str, type[ShardUnavailable]], None]) -> None:
+        made = False  # a connection was made (handshake done); one never made is left to timeouts
+        lost: str | None = None
+        while True:
+            event = parse_monitor_message(await self.mon.recv_multipart())
+            kind, value = int(event["event"]), int(event["value"])
+            if kind == zmq.EVENT_MONITOR_STOPPED:
+                return
+            if lost is not None:
+                # The race: replies come on the DEALER, this event on another socket, so it can
+                # be read before the reader task has taken the last replies. libzmq's engine
+                # queues all it read for the DEALER before it reports DISCONNECTED, but may make
+                # its last batch visible (flush) just after the report; CONNECT_RETRIED, from
+                # the reconnect that follows, is reported after that flush. So by now a
+                # non-blocking drain finds every whole message the owner sent before it died
+                # (libzmq discards a message cut short).
+                break
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                made = True
+            elif kind == zmq.EVENT_DISCONNECTED and made:
+                lost = f"the owner at {self.addr} closed the connection (node dead or restarted?)"
+            elif kind in _HANDSHAKE_FAILED:
+                # No reply can have come over a connection that never finished its handshake.
+                on_lost(self, _handshake_failure(self.addr, kind, value), ShardUnavailable)
+                return
+        await self._drain()
+        on_lost(self, lost, OwnerLost)
+
+    async def _drain(self) -> None:
+        """Hand every complete message the DEALER already holds to its request."""
         self.reader.cancel()
+        await asyncio.wait([self.reader])  # a receive cancelled after its message keeps it
+        while True:
+            try:
+                frames = await self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._deliver(frames)
+
+    def close(self, reason: str, error: type[ShardUnavailable] = ShardUnavailable) -> None:
+        """Fail the pending requests (``error`` with ``reason``); end both tasks, close both
+        sockets."""
+        if self.closed is not None:
+            return
+        self.closed = closed = _Closed(error, reason)
+        current = asyncio.current_task()
+        for task in (self.reader, self.watcher):
+            if task is not current:
+                task.cancel()
+        if not self.sock.socket.closed:  # (a destroyed context closed it already)
+            self.sock.disable_monitor()
+        self.mon.close(0)
         self.sock.close(0)
         for q in self.pending.values():
-            q.put_nowait(reason)
+            q.put_nowait(closed)
         self.pending.clear()
+
+    async def wait_closed(self) -> None:
+        """Wait until both tasks have ended (after ``close``)."""
+        tasks = [t for t in (self.reader, self.watcher) if t is not asyncio.current_task()]
+        await asyncio.wait(tasks)
+
+
+_PEER_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_CONNECT_RETRIED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+)
+_monitor_ids = itertools.count()
+
+
+def _handshake_failure(addr: str, kind: int, value: int) -> str:
+    """Why the handshake with the owner at ``addr`` failed, from its monitor event."""
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (
+            f"the owner at {addr} refused the handshake (ZAP status {value}): another run's secret?"
+        )
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return f"the handshake with {addr} failed (ZMTP error 0x{value:x}): not an arl data plane?"
+    return (
+        f"the handshake with {addr} failed ({os.strerror(value)}): "
+        "node dead, or not an arl data plane?"
+    )
 
 
 class DataPlaneClient:
@@ -291,30 +428,36 @@ class DataPlaneClient:
 
     async def close(self) -> None:
         """Close every connection (pending pulls fail with ShardUnavailable)."""
-        for peer in self._peers.values():
-            peer.close("the client was closed")
+        peers = list(self._peers.values())
         self._peers.clear()
+        for peer in peers:
+            peer.close(f"connection to {peer.addr} closed: the client was closed")
+        for peer in peers:
+            await peer.wait_closed()
 
     # ---- one owner ------------------------------------------------------------------------------
     def _peer(self, node: str, addr: str) -> _Peer:
         peer = self._peers.get(node)
         if peer is not None and peer.addr != addr:
-            peer.close(f"node {node} moved to {addr}")
+            self._drop(peer, f"connection to {peer.addr} closed: node {node} moved to {addr}")
             peer = None
         if peer is None:
             sock = make_socket(self.ctx, zmq.DEALER, self.security, server=False)
             # Few chunks wait in libzmq: past that, TCP back-pressure paces the owner.
             sock.setsockopt(zmq.RCVHWM, _RECV_QUEUE)
-            sock.connect(addr)
-            peer = self._peers[node] = _Peer(node, addr, sock)
+            peer = self._peers[node] = _Peer(node, addr, sock, self.ctx, self._drop)
         return peer
 
-    def _drop(self, peer: _Peer, reason: str) -> None:
+    def _drop(
+        self, peer: _Peer, reason: str, error: type[ShardUnavailable] = ShardUnavailable
+    ) -> None:
         if self._peers.get(peer.node) is peer:
             del self._peers[peer.node]
-        peer.close(reason)
+        peer.close(reason, error)
 
     async def _request(self, peer: _Peer, key: str, msg: Message) -> tuple[asyncio.Queue, int]:
+        if peer.closed is not None:  # lost while this pull waited for its hello
+            raise peer.closed.error(peer.node, key, peer.closed.reason)
         q: asyncio.Queue = asyncio.Queue()
         peer.pending[msg.id] = q
         try:
@@ -322,22 +465,27 @@ class DataPlaneClient:
                 peer.sock.send_multipart(encode_message(msg), copy=False), self.timeout
             )
         except TimeoutError:
-            self._drop(peer, "send timed out")
-            raise ShardUnavailable(
+            self._drop(peer, f"connection to {peer.addr} closed: a send timed out", OwnerLost)
+            raise OwnerLost(
                 peer.node, key, f"cannot send to {peer.addr} within {self.timeout}s"
             ) from None
+        except SocketClosed:  # lost during the send
+            peer.pending.pop(msg.id, None)
+            closed = peer.closed or _Closed(ShardUnavailable, "connection closed")
+            raise closed.error(peer.node, key, closed.reason) from None
         return q, msg.id
 
     async def _next(self, peer: _Peer, q: asyncio.Queue, key: str) -> tuple[Message, list]:
         try:
             item = await asyncio.wait_for(q.get(), self.timeout)
         except TimeoutError:
-            self._drop(peer, "timed out")
-            raise ShardUnavailable(
+            why = f"connection to {peer.addr} closed: another request timed out"
+            self._drop(peer, why, OwnerLost)
+            raise OwnerLost(
                 peer.node, key, f"no answer from {peer.addr} within {self.timeout}s (node dead?)"
             ) from None
-        if isinstance(item, str):
-            raise ShardUnavailable(peer.node, key, f"connection to {peer.addr} closed: {item}")
+        if isinstance(item, _Closed):
+            raise item.error(peer.node, key, item.reason)
         msg, frames = item
         if msg.op == "err":
             a = msg.args if isinstance(msg.args, dict) else {}
@@ -356,7 +504,7 @@ class DataPlaneClient:
                 peer.pending.pop(mid, None)
             info = msg.args if isinstance(msg.args, dict) else {}
             if info.get("node") != peer.node:
-                self._drop(peer, "wrong node")
+                self._drop(peer, f"connection to {peer.addr} closed: it serves another node")
                 raise ShardUnavailable(
                     peer.node, key, f"{peer.addr} is served by node {info.get('node')!r} instead"
                 )

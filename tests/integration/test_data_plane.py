@@ -2,6 +2,8 @@
 
 import asyncio
 import os
+import re
+import signal
 import subprocess
 import sys
 import uuid
@@ -12,7 +14,14 @@ import torch
 import zmq
 import zmq.asyncio
 
-from arl.node.data_plane import DataPlaneClient, DataPlaneServer, ShardUnavailable, plan_chunks
+from arl.node.data_plane import (
+    DataPlaneClient,
+    DataPlaneServer,
+    OwnerLost,
+    ShardUnavailable,
+    _Peer,
+    plan_chunks,
+)
 from arl.node.shard_store import ShardStore, sweep_orphans
 from arl.protocol.rtensor import RTensor, ShardRef
 from arl.wire.sockets import Authenticator, Security, bind_tcp, make_socket, new_secret
@@ -186,7 +195,7 @@ def test_pull_from_several_owners_and_missing_key() -> None:
             with pytest.raises(ShardUnavailable, match="'g3' on node 'r1'") as e:
                 await client.pull(RTensor(refs, peers=peers))
             assert e.value.node == "r1" and e.value.key == "g3"
-            assert "does not hold" in str(e.value)
+            assert "does not hold" in str(e.value) and not isinstance(e.value, OwnerLost)
             assert _held(mine) == (0, 0)
 
             # An owner the RTensor gives no address for.
@@ -243,8 +252,18 @@ async def main():
     for k, s in make_shards(4).items():
         store.put(k, s)
     sock = make_socket(ctx, zmq.ROUTER, security, server=True)
-    addr = bind_tcp(sock, "127.0.0.1")
-    server = DataPlaneServer(store, sock, chunk_bytes=int(sys.argv[2]))
+    addr = bind_tcp(sock, "127.0.0.1", int(sys.argv[3]))
+    server_class = DataPlaneServer
+    if sys.argv[4:] == ["exit-after-pull"]:
+        class server_class(DataPlaneServer):
+            async def _pull(self, *args):
+                await super()._pull(*args)
+                sock.close(-1)  # lingers: the reply queued above still goes out
+                auth.stop()
+                ctx.term()  # returns once it has
+                store.close()
+                os._exit(0)
+    server = server_class(store, sock, chunk_bytes=int(sys.argv[2]))
     server.start()
     print(addr, flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
@@ -259,9 +278,11 @@ asyncio.run(main())
 )
 
 
-def test_pull_across_processes_shm_and_tcp_then_owner_dies() -> None:
-    run_id = _run_id()
-    secret = new_secret()
+def _start_owner(
+    run_id: str, secret: str, port: int = 0, *mode: str
+) -> tuple[subprocess.Popen, str]:
+    """Node 'rollout-7' in a child process, holding make_shards(4), on 127.0.0.1:``port``;
+    mode ``exit-after-pull``: the process exits once it has sent its first pull reply."""
     env = {
         **os.environ,
         "ARL_SECRET": secret,
@@ -269,11 +290,29 @@ def test_pull_across_processes_shm_and_tcp_then_owner_dies() -> None:
         "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
     }
     proc = subprocess.Popen(
-        [sys.executable, "-c", _OWNER, run_id, str(CHUNK)],
+        [sys.executable, "-c", _OWNER, run_id, str(CHUNK), str(port), *mode],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env=env,
     )
+    addr = proc.stdout.readline().decode().strip()
+    if not addr.startswith("tcp://127.0.0.1:"):
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"the owner process did not start: {addr!r}")
+    return proc, addr
+
+
+def _end(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def test_pull_across_processes_shm_and_tcp_then_owner_dies() -> None:
+    run_id = _run_id()
+    secret = new_secret()
+    proc, addr = _start_owner(run_id, secret)
     shards = make_shards(4)  # noqa: F821
 
     async def main(addr: str) -> None:
@@ -311,7 +350,10 @@ def test_pull_across_processes_shm_and_tcp_then_owner_dies() -> None:
             assert len(sweep_orphans(run_id)) == 4  # what the killed owner could not unlink
             _assert_bit_identical(shm_store.get("g1"), shards["g1"])
             shm_store.free(list(shards))
-            with pytest.raises(ShardUnavailable, match="'g0' on node 'rollout-7'.*no answer"):
+            # If the client saw the connection end before this pull, the pull connects afresh
+            # and waits out its timeout (nothing listens); if during it, it fails at once.
+            gone = "'g0' on node 'rollout-7'.*(no answer|closed the connection)"
+            with pytest.raises(OwnerLost, match=gone):
                 await shm_client.pull(batch)
             await shm_client.close()
             shm_store.close()
@@ -319,11 +361,129 @@ def test_pull_across_processes_shm_and_tcp_then_owner_dies() -> None:
             ctx.destroy(linger=0)  # also closes sockets a failed assertion left open
 
     try:
-        addr = proc.stdout.readline().decode().strip()
-        assert addr.startswith("tcp://127.0.0.1:"), addr
         asyncio.run(main(addr))
     finally:
-        if proc.poll() is None:
+        _end(proc)
+        sweep_orphans(run_id)
+
+
+def test_owner_killed_mid_pull_fails_at_once_and_its_restart_serves_the_next_pull() -> None:
+    run_id = _run_id()
+    secret = new_secret()
+    shards = make_shards(4)  # noqa: F821
+    refs = [
+        ShardRef("rollout-7", k, sum(t.nbytes for t in s.values()), 0) for k, s in shards.items()
+    ]
+    procs: list[subprocess.Popen] = []
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        store = ShardStore(run_id, "trainer")
+        client = DataPlaneClient(
+            store, ctx=ctx, security=Security(secret), timeout=60.0, force_tcp=True
+        )
+        try:
+            proc, addr = _start_owner(run_id, secret)
+            procs.append(proc)
+            batch = RTensor(refs, peers={"rollout-7": addr})
+            await client.pull(batch)  # the connection is made
+            store.free(list(shards))
+
+            # Frozen, the owner cannot answer; killed, its kernel closes the connection.
+            os.kill(proc.pid, signal.SIGSTOP)
+            pending = asyncio.create_task(client.pull(batch))
+            done, _ = await asyncio.wait([pending], timeout=0.5)
+            assert not done  # its request waits for the frozen owner
             proc.kill()
-        proc.wait()
+            proc.wait()
+            lost = f"'g0' on node 'rollout-7'.*owner at {re.escape(addr)} closed the connection"
+            with pytest.raises(ShardUnavailable, match=lost) as e:
+                # Far inside the client's 60 s timeout, which the pull used to wait out.
+                await asyncio.wait_for(pending, 10.0)
+            assert e.value.node == "rollout-7" and e.value.key == "g0"
+            assert isinstance(e.value, OwnerLost)  # gone, not short of the key
+            assert _held(store) == (0, 0)
+
+            # Restarted at the same address, the owner serves the next pull (a new connection).
+            proc, again = _start_owner(run_id, secret, port=int(addr.rpartition(":")[2]))
+            procs.append(proc)
+            assert again == addr
+            got = await client.pull(batch)
+            for ref, tensors in zip(refs, got, strict=True):
+                _assert_bit_identical(tensors, shards[ref.key])
+            store.free(list(shards))
+        finally:
+            await client.close()
+            store.close()
+            ctx.destroy(linger=0)
+
+    try:
+        asyncio.run(main())
+    finally:
+        for proc in procs:
+            _end(proc)
+        sweep_orphans(run_id)
+
+
+def test_owner_that_refuses_our_secret_fails_the_pull_at_once() -> None:
+    async def main() -> None:
+        run_id = _run_id()
+        async with (
+            _context() as (ctx, sec),
+            _node(ctx, sec, "owner", run_id) as (owner, addr, _),
+        ):
+            owner.put("g0", make_shards(1)["g0"])  # noqa: F821
+            mine = ShardStore(run_id, "stranger")
+            client = DataPlaneClient(mine, ctx=ctx, security=Security(new_secret()), timeout=60.0)
+            try:
+                pull = client.pull_shards(_refs("owner", owner, ["g0"]), {"owner": addr})
+                with pytest.raises(ShardUnavailable, match="'g0' on node 'owner'.*refused") as e:
+                    await asyncio.wait_for(pull, 10.0)  # not the client's 60 s timeout
+                assert "another run's secret?" in e.value.reason
+                assert not isinstance(e.value, OwnerLost)  # a restart would meet the same refusal
+                assert _held(mine) == (0, 0)
+            finally:
+                await client.close()
+                mine.close()
+
+    asyncio.run(main())
+
+
+def test_a_reply_received_before_the_owner_died_completes_its_pull(monkeypatch) -> None:
+    # A reader slower than the monitor, as a busy loop can make it: the monitor sees the
+    # connection end while the owner's whole reply still waits in the DEALER.
+    async def late_read(self: _Peer) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self._deliver(await self.sock.recv_multipart(copy=False))
+
+    monkeypatch.setattr(_Peer, "_read", late_read)
+    run_id = _run_id()
+    secret = new_secret()
+    shards = make_shards(4)  # noqa: F821
+    small = ["g0", "g2", "g3"]  # one chunk in all: the whole reply fits the DEALER's queue
+    refs = [ShardRef("rollout-7", k, 0, 0) for k in small]
+    proc, addr = _start_owner(run_id, secret, 0, "exit-after-pull")
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        store = ShardStore(run_id, "trainer")
+        client = DataPlaneClient(
+            store, ctx=ctx, security=Security(secret), timeout=60.0, force_tcp=True
+        )
+        try:
+            got = await client.pull(RTensor(refs, peers={"rollout-7": addr}))
+            for k, tensors in zip(small, got, strict=True):
+                _assert_bit_identical(tensors, shards[k])
+            assert await asyncio.to_thread(proc.wait) == 0  # it answered, then exited
+            store.free(small)
+        finally:
+            await client.close()
+            store.close()
+            ctx.destroy(linger=0)
+
+    try:
+        asyncio.run(main())
+    finally:
+        _end(proc)
         sweep_orphans(run_id)
