@@ -45,6 +45,7 @@ from arl.node.shard_store import (
     map_segment,
     sweep_orphans,
 )
+from arl.protocol.errors import ErrorKind
 from arl.protocol.rtensor import RTensor, ShardRef, is_wire_rtensor
 from arl.wire.codec import Message, WireError, decode_message, encode_message, peek_id
 from arl.wire.sockets import LoopSocket, Security, SocketClosed, host_id, make_socket
@@ -78,6 +79,10 @@ class ShardUnavailable(RuntimeError):
 class OwnerLost(ShardUnavailable):
     """The owner is gone: it closed its connection (died or restarted) or did not answer within
     the client's timeout. Unlike a missing key, a fresh cluster may get past it."""
+
+    # A pull fails at once when its owner dies, before the controller declares that node lost
+    # (heartbeat timeout): the error itself must say the failure is worth a restart.
+    error_kind = ErrorKind.PEER_LOST
 
 
 class _Closed(NamedTuple):

@@ -24,6 +24,12 @@ class ErrorKind(enum.Enum):
         "leaves, and a fresh cluster starts a new server",
         True,
     )
+    PEER_LOST = (
+        "peer_lost",
+        "a node this node pulled data from is gone: it closed its connection (died or "
+        "restarted) or stayed silent past the pull timeout; a fresh cluster starts it again",
+        True,
+    )
     GROUP_TIMEOUT = (
         "group_timeout",
         "a prompt group ran longer than rollout.group_timeout and was abandoned on its node",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from arl.engines.server import ServerExited
+from arl.node.data_plane import OwnerLost, ShardUnavailable
 from arl.node.rollout import GroupTimeout
 from arl.protocol.errors import ErrorKind, RemoteError, error_payload, kind_of
 from arl.protocol.imports import ImportRefused
@@ -19,8 +20,9 @@ def test_every_kind_has_a_unique_wire_name_a_meaning_and_a_flag() -> None:
     for k in ErrorKind:
         assert k.meaning and isinstance(k.recoverable, bool)
         assert ErrorKind.from_wire(k.wire) is k
-    # Only a dead inference server is worth a fresh cluster; code errors would repeat.
-    assert [k for k in ErrorKind if k.recoverable] == [ErrorKind.SERVER_EXITED]
+    # Only a dead inference server or a dead data owner is worth a fresh cluster; code errors
+    # would repeat.
+    assert [k for k in ErrorKind if k.recoverable] == [ErrorKind.SERVER_EXITED, ErrorKind.PEER_LOST]
 
 
 @pytest.mark.parametrize(
@@ -28,6 +30,8 @@ def test_every_kind_has_a_unique_wire_name_a_meaning_and_a_flag() -> None:
     [
         (ServerExited("vllm exited"), ErrorKind.SERVER_EXITED),
         (GroupTimeout("too long"), ErrorKind.GROUP_TIMEOUT),
+        (OwnerLost("rollout0", "g1", "closed the connection"), ErrorKind.PEER_LOST),
+        (ShardUnavailable("rollout0", "g1", "not held (freed?)"), ErrorKind.ERROR),
         (ImportRefused("no"), ErrorKind.IMPORT_REFUSED),
         (WireError("bad frame"), ErrorKind.MALFORMED),
         (RTensorError("bad ref"), ErrorKind.MALFORMED),
@@ -63,3 +67,12 @@ def test_the_restart_decision_follows_the_kind_not_the_type_name() -> None:
     wrapped = RuntimeError("rollout stopped")
     wrapped.__cause__ = dead
     assert recoverable(wrapped)
+
+
+def test_a_pull_from_a_dead_owner_is_worth_a_restart_and_a_missing_shard_is_not() -> None:
+    # The rank's pull fails before the controller declares the owner lost, so the kind alone
+    # must carry the verdict: the supervisor restarts what a fresh cluster may fix.
+    lost = error_payload(OwnerLost("rollout0", "g1", "the owner closed the connection"))
+    assert recoverable(RemoteError.from_payload("train0", "train.ppo_update", lost))
+    freed = error_payload(ShardUnavailable("rollout0", "g1", "not held by this node"))
+    assert not recoverable(RemoteError.from_payload("train0", "train.ppo_update", freed))
