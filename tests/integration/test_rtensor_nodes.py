@@ -131,3 +131,44 @@ def test_fifty_cycles_return_every_node_to_baseline():
             assert a["rss_kb"] - b["rss_kb"] < 200 * 1024, (b, a)
 
     _cluster_test(body)
+
+
+def test_a_rank_pulling_from_a_killed_owner_fails_at_once_with_a_recoverable_kind():
+    """A consumer node's pull from a producer node killed mid-pull fails long before the
+    controller would declare the producer lost (heartbeat timeout 60 s here), as `peer_lost`:
+    the supervisor's restart verdict comes from the error itself."""
+    import os
+    import signal
+
+    from arl.protocol.errors import ErrorKind, RemoteError
+    from arl.supervisor import recoverable
+
+    async def main():
+        async with local_cluster(2, heartbeat_timeout=60.0) as (ctl, nodes, procs):
+            (owner, owner_lab), (_, lab) = [(n, await n.create(LAB)) for n in nodes]
+            meta = await owner_lab.produce("g0", 7, 4, 64)
+            batch = RTensor(
+                [ShardRef.from_meta(owner.node_id, meta, 4)],
+                peers={owner.node_id: owner.info["data_addr"]},
+            )
+            first = await lab.digest(batch.to_wire())  # the consumer's connection is made
+            await nodes[1].call("free", {"keys": batch.keys})
+            pid = procs.pids[procs.node_ids.index(owner.node_id)]
+            os.kill(pid, signal.SIGSTOP)  # frozen: the next pull waits on it
+            try:
+                call = asyncio.ensure_future(lab.digest(batch.to_wire()))
+                done, _ = await asyncio.wait([call], timeout=0.5)
+                assert not done
+            finally:
+                os.kill(pid, signal.SIGKILL)
+            try:
+                await asyncio.wait_for(call, 20.0)  # the pull's own timeout is 30 s
+            except RemoteError as e:
+                err = e
+            else:
+                raise AssertionError("the pull from a killed owner succeeded")
+            assert err.kind is ErrorKind.PEER_LOST and recoverable(err), err
+            assert "closed the connection" in err.remote_message
+            assert len(first) == 1
+
+    asyncio.run(main())
