@@ -28,13 +28,13 @@ import attrs
 from arl.ckpt.recovery import RecoveryState, Saver
 from arl.config import Config
 from arl.control.cluster import Cluster
-from arl.control.controller import RemoteObject
+from arl.control.controller import NodeLost, RemoteObject
 from arl.control.dispatch import dispatch
 from arl.control.rollout import RolloutController
 from arl.control.staleness import StalenessSemaphore
 from arl.data.loader import StatefulLoader
 from arl.engines.spec import SERVER_ENGINES, engine_spec
-from arl.protocol.errors import RemoteError
+from arl.protocol.errors import ErrorKind, RemoteError
 from arl.protocol.imports import resolve_import
 from arl.protocol.remote import TrainRanks
 from arl.protocol.report import GroupReport
@@ -331,6 +331,23 @@ class PPOTrainer:
         if cfg.saver.hf_export:
             await self.save_hf()
 
+    async def _await_lost_node(self, err: RemoteError) -> None:
+        """Raise the loss of the node ``err``'s pull found gone, once the controller declares it.
+
+        The pull fails as soon as the owner's connection closes; the controller declares the
+        node lost only after ``cluster.heartbeat_timeout``, with what its event loop was blocked
+        in (which decides whether a restart helps). Returns if no verdict comes by then."""
+        hb = self.cfg.cluster
+        deadline = time.monotonic() + hb.heartbeat_timeout + 2 * hb.heartbeat_interval + 1.0
+        while time.monotonic() < deadline:
+            self.rollout.check()
+            for node in self.cluster.nodes:
+                h = node.handle
+                if h.lost:
+                    doing = f"{err.method} on node {err.node}"
+                    raise NodeLost(h.node_id, doing, h.lost, h.blocked_in) from err
+            await asyncio.sleep(0.05)
+
     async def _loop(self, total: int, warm: asyncio.Future) -> None:
         cfg = self.cfg
         while self.step < total:
@@ -343,10 +360,11 @@ class PPOTrainer:
                     metrics = await self.train_step(batch)
                     t1 = time.monotonic()
                     metrics.update(await self.weight_sync.sync(self.version + 1))
-            except RemoteError:
-                # A rank that failed while rollout had already stopped (a rollout node lost
-                # while a rank pulled its shards): rollout's error is the cause the run reports
-                # and the supervisor judges.
+            except RemoteError as err:
+                # A rank that failed because a node it pulled from is gone: that node's loss is
+                # the cause the run reports and the supervisor judges (rollout's error first).
+                if err.kind is ErrorKind.PEER_LOST:
+                    await self._await_lost_node(err)
                 self.rollout.check()
                 raise
             self.version += 1

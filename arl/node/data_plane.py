@@ -16,10 +16,12 @@ once; TCP back-pressure from the client's receive high-water mark paces it.
 Failures raise ``ShardUnavailable`` naming the owner and the key. ZeroMQ hides a peer's death,
 so each DEALER's monitor watches its connection: when the owner's kernel closes it (the process
 was killed, ran out of memory, or restarted) the pulls waiting on that owner fail at once, after
-the replies already received are delivered, and the next pull connects afresh; a refused
-handshake (another run's secret) fails at once too. An owner that is silent with its connection
-open (a host that vanished without closing TCP, a frozen process) or was never reached (not up
-yet) still costs the client's timeout, ``DEFAULT_TIMEOUT`` unless configured.
+the replies already received are delivered, and the next pull connects afresh; a pull to an
+address where nothing listens any more, or whose handshake is cut short, fails at once as well
+(`OwnerLost`). A refused handshake (another run's secret) fails at once as a plain
+`ShardUnavailable`. An owner that is silent with its connection open (a host that vanished
+without closing TCP, a frozen process) still costs the client's timeout, ``DEFAULT_TIMEOUT``
+unless configured.
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ log = logging.getLogger(__name__)
 # libzmq allocates every received message; small chunks reuse malloc'd memory, big ones fault
 # in fresh pages, and the client copies one chunk while the next is on the wire.
 DEFAULT_CHUNK_BYTES = 1 << 20
-# How long a silent owner may keep a pull waiting: one whose connection ends fails at once, so
-# this bounds hosts lost without closing TCP, frozen owners and owners never reached.
+# How long a silent owner may keep a pull waiting: one whose connection ends or whose address
+# refuses fails at once, so this bounds hosts lost without closing TCP and frozen owners.
 DEFAULT_TIMEOUT = 30.0
 _RECV_QUEUE = 16  # messages
 
@@ -77,8 +79,9 @@ class ShardUnavailable(RuntimeError):
 
 
 class OwnerLost(ShardUnavailable):
-    """The owner is gone: it closed its connection (died or restarted) or did not answer within
-    the client's timeout. Unlike a missing key, a fresh cluster may get past it."""
+    """The owner is gone: it closed its connection (died or restarted), nothing listens at its
+    address, or it did not answer within the client's timeout. Unlike a missing key, a fresh
+    cluster may get past it."""
 
     # A pull fails at once when its owner dies, before the controller declares that node lost
     # (heartbeat timeout): the error itself must say the failure is worth a restart.
@@ -300,9 +303,18 @@ class _Peer:
                 made = True
             elif kind == zmq.EVENT_DISCONNECTED and made:
                 lost = f"the owner at {self.addr} closed the connection (node dead or restarted?)"
+            elif kind == zmq.EVENT_CONNECT_RETRIED and not made and self.pending:
+                # Refused: an owner's address comes from its hello, so it was bound before any
+                # ref to its shards existed; nothing listening there now means it is gone.
+                why = f"nothing listens at {self.addr} any more (node dead or restarted?)"
+                on_lost(self, why, OwnerLost)
+                return
             elif kind in _HANDSHAKE_FAILED:
                 # No reply can have come over a connection that never finished its handshake.
-                on_lost(self, _handshake_failure(self.addr, kind, value), ShardUnavailable)
+                # Without detail it is the connection that failed (reset: the owner died).
+                reset = kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                error = OwnerLost if reset else ShardUnavailable
+                on_lost(self, _handshake_failure(self.addr, kind, value), error)
                 return
         await self._drain()
         on_lost(self, lost, OwnerLost)

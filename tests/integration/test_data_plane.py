@@ -351,8 +351,9 @@ def test_pull_across_processes_shm_and_tcp_then_owner_dies() -> None:
             _assert_bit_identical(shm_store.get("g1"), shards["g1"])
             shm_store.free(list(shards))
             # If the client saw the connection end before this pull, the pull connects afresh
-            # and waits out its timeout (nothing listens); if during it, it fails at once.
-            gone = "'g0' on node 'rollout-7'.*(no answer|closed the connection)"
+            # and is refused (nothing listens); if during it, the connection closes: at once
+            # either way, not after the client's timeout.
+            gone = "'g0' on node 'rollout-7'.*(nothing listens|closed the connection)"
             with pytest.raises(OwnerLost, match=gone):
                 await shm_client.pull(batch)
             await shm_client.close()
@@ -484,6 +485,46 @@ def test_a_reply_received_before_the_owner_died_completes_its_pull(monkeypatch) 
 
     try:
         asyncio.run(main())
+    finally:
+        _end(proc)
+        sweep_orphans(run_id)
+
+
+def test_a_pull_to_an_owner_dead_before_the_pull_began_fails_at_once() -> None:
+    """The owner dies between two pulls: the next pull is refused (or finds the old connection
+    closing) and fails at once, far inside the client's 60 s timeout."""
+    run_id = _run_id()
+    secret = new_secret()
+    shards = make_shards(4)  # noqa: F821
+    refs = [
+        ShardRef("rollout-7", k, sum(t.nbytes for t in s.values()), 0) for k, s in shards.items()
+    ]
+
+    async def main(proc: subprocess.Popen, addr: str) -> None:
+        ctx = zmq.asyncio.Context()
+        store = ShardStore(run_id, "trainer")
+        client = DataPlaneClient(
+            store, ctx=ctx, security=Security(secret), timeout=60.0, force_tcp=True
+        )
+        try:
+            batch = RTensor(refs, peers={"rollout-7": addr})
+            await client.pull(batch)
+            store.free(list(shards))
+            proc.kill()
+            proc.wait()
+            for _ in range(2):  # the first may meet the closing connection, the second is refused
+                gone = "'g0' on node 'rollout-7'.*(nothing listens|closed the connection)"
+                with pytest.raises(OwnerLost, match=gone):
+                    await asyncio.wait_for(client.pull(batch), 10.0)
+                assert _held(store) == (0, 0)
+        finally:
+            await client.close()
+            store.close()
+            ctx.destroy(linger=0)
+
+    proc, addr = _start_owner(run_id, secret)
+    try:
+        asyncio.run(main(proc, addr))
     finally:
         _end(proc)
         sweep_orphans(run_id)
