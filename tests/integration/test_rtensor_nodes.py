@@ -168,7 +168,10 @@ def test_a_rank_pulling_from_a_killed_owner_fails_at_once_with_a_recoverable_kin
             else:
                 raise AssertionError("the pull from a killed owner succeeded")
             assert err.kind is ErrorKind.PEER_LOST and recoverable(err), err
-            assert "closed the connection" in err.remote_message
+            # "closed": the pull was in flight at the kill; "nothing listens": it began after.
+            assert "closed the connection" in err.remote_message or (
+                "nothing listens" in err.remote_message
+            ), err
             assert len(first) == 1
 
     asyncio.run(main())
