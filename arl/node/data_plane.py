@@ -240,8 +240,9 @@ class DataPlaneServer:
 class _Peer:
     """One owner node's connection: a DEALER, its reader and monitor tasks, the requests in flight.
 
-    The monitor reports the end of an established connection (the owner's kernel closed TCP)
-    and refused handshakes; ``on_lost`` then drops the peer, failing what is pending at once.
+    The monitor reports the end of an established connection (the owner's kernel closed TCP),
+    a refused connect while a pull waits, and failed handshakes; ``on_lost`` then drops the
+    peer, failing what is pending at once.
     """
 
     def __init__(
