@@ -50,7 +50,14 @@ from arl.node.shard_store import (
 from arl.protocol.errors import ErrorKind
 from arl.protocol.rtensor import RTensor, ShardRef, is_wire_rtensor
 from arl.wire.codec import Message, WireError, decode_message, encode_message, peek_id
-from arl.wire.sockets import LoopSocket, Security, SocketClosed, host_id, make_socket
+from arl.wire.sockets import (
+    HANDSHAKE_FAILED,
+    LoopSocket,
+    Security,
+    SocketClosed,
+    host_id,
+    make_socket,
+)
 
 log = logging.getLogger(__name__)
 
@@ -310,7 +317,7 @@ class _Peer:
                 why = f"nothing listens at {self.addr} any more (node dead or restarted?)"
                 on_lost(self, why, OwnerLost)
                 return
-            elif kind in _HANDSHAKE_FAILED:
+            elif kind in HANDSHAKE_FAILED:
                 # No reply can have come over a connection that never finished its handshake.
                 # Without detail it is the connection that failed (reset: the owner died).
                 reset = kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -362,11 +369,6 @@ _PEER_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
-_HANDSHAKE_FAILED = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH,
 )
 _monitor_ids = itertools.count()
 

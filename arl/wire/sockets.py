@@ -185,7 +185,7 @@ def _failure(kind: int, value: int) -> str:
     return f"{_NOT_ARL} ({os.strerror(value)})"
 
 
-_FAILED = (
+HANDSHAKE_FAILED = (  # the monitor events of a failed handshake
     zmq.EVENT_HANDSHAKE_FAILED_AUTH,
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
@@ -273,7 +273,7 @@ class _RefusalWatcher(threading.Thread):
             return
         # A handshake outcome.
         peers = list(self._waiting.values())
-        if kind in _FAILED:
+        if kind in HANDSHAKE_FAILED:
             self._refused(peers, _failure(kind, value))
         if len(self._waiting) == 1:
             self._waiting.clear()

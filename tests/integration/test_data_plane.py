@@ -102,6 +102,21 @@ async def _context():
         ctx.term()
 
 
+@asynccontextmanager
+async def _tcp_client(run_id: str, secret: str):
+    """A trainer-side store and a TCP-only client with a 60 s timeout, closed on exit."""
+    ctx = zmq.asyncio.Context()
+    store = ShardStore(run_id, "trainer")
+    security = Security(secret)
+    client = DataPlaneClient(store, ctx=ctx, security=security, timeout=60.0, force_tcp=True)
+    try:
+        yield store, client
+    finally:
+        await client.close()
+        store.close()
+        ctx.destroy(linger=0)
+
+
 def test_plan_chunks_packs_small_and_splits_large() -> None:
     assert plan_chunks([3, 10, 2], 4) == [
         [[0, 0, 3], [1, 0, 1]],
@@ -378,12 +393,7 @@ def test_owner_killed_mid_pull_fails_at_once_and_its_restart_serves_the_next_pul
     procs: list[subprocess.Popen] = []
 
     async def main() -> None:
-        ctx = zmq.asyncio.Context()
-        store = ShardStore(run_id, "trainer")
-        client = DataPlaneClient(
-            store, ctx=ctx, security=Security(secret), timeout=60.0, force_tcp=True
-        )
-        try:
+        async with _tcp_client(run_id, secret) as (store, client):
             proc, addr = _start_owner(run_id, secret)
             procs.append(proc)
             batch = RTensor(refs, peers={"rollout-7": addr})
@@ -413,10 +423,6 @@ def test_owner_killed_mid_pull_fails_at_once_and_its_restart_serves_the_next_pul
             for ref, tensors in zip(refs, got, strict=True):
                 _assert_bit_identical(tensors, shards[ref.key])
             store.free(list(shards))
-        finally:
-            await client.close()
-            store.close()
-            ctx.destroy(linger=0)
 
     try:
         asyncio.run(main())
@@ -467,21 +473,12 @@ def test_a_reply_received_before_the_owner_died_completes_its_pull(monkeypatch) 
     proc, addr = _start_owner(run_id, secret, 0, "exit-after-pull")
 
     async def main() -> None:
-        ctx = zmq.asyncio.Context()
-        store = ShardStore(run_id, "trainer")
-        client = DataPlaneClient(
-            store, ctx=ctx, security=Security(secret), timeout=60.0, force_tcp=True
-        )
-        try:
+        async with _tcp_client(run_id, secret) as (store, client):
             got = await client.pull(RTensor(refs, peers={"rollout-7": addr}))
             for k, tensors in zip(small, got, strict=True):
                 _assert_bit_identical(tensors, shards[k])
             assert await asyncio.to_thread(proc.wait) == 0  # it answered, then exited
             store.free(small)
-        finally:
-            await client.close()
-            store.close()
-            ctx.destroy(linger=0)
 
     try:
         asyncio.run(main())
@@ -501,12 +498,7 @@ def test_a_pull_to_an_owner_dead_before_the_pull_began_fails_at_once() -> None:
     ]
 
     async def main(proc: subprocess.Popen, addr: str) -> None:
-        ctx = zmq.asyncio.Context()
-        store = ShardStore(run_id, "trainer")
-        client = DataPlaneClient(
-            store, ctx=ctx, security=Security(secret), timeout=60.0, force_tcp=True
-        )
-        try:
+        async with _tcp_client(run_id, secret) as (store, client):
             batch = RTensor(refs, peers={"rollout-7": addr})
             await client.pull(batch)
             store.free(list(shards))
@@ -517,10 +509,6 @@ def test_a_pull_to_an_owner_dead_before_the_pull_began_fails_at_once() -> None:
                 with pytest.raises(OwnerLost, match=gone):
                     await asyncio.wait_for(client.pull(batch), 10.0)
                 assert _held(store) == (0, 0)
-        finally:
-            await client.close()
-            store.close()
-            ctx.destroy(linger=0)
 
     proc, addr = _start_owner(run_id, secret)
     try:
