@@ -12,6 +12,7 @@ encrypted and the client also verifies the server. `Authenticator.watch` logs ea
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 import logging
@@ -101,9 +102,7 @@ class Authenticator:
     def __init__(self, ctx: zmq.Context, security: Security):
         self.security = security
         # Its own logger would print the secret at DEBUG ("ALLOWED (PLAIN) ... password=...").
-        self._auth = ThreadAuthenticator(
-            ctx, log=_HideSecret(logging.getLogger("zmq.auth"), security.secret)
-        )
+        self._auth = _Zap(ctx, log=_HideSecret(logging.getLogger("zmq.auth"), security.secret))
         if security.curve:
             client_public, _ = _curve_pair(security.secret, b"client")
             self._auth.configure_curve_callback(_ZAP_DOMAIN, _CurveAllow(client_public))
@@ -117,7 +116,7 @@ class Authenticator:
         """Log peers that ``sock`` (a bound server socket) refuses at the handshake: no or wrong
         secret, or bytes that are not ZMTP, at WARNING with their address (rate-limited)."""
         raw = sock.socket if isinstance(sock, LoopSocket) else sock
-        watcher = _RefusalWatcher(raw, self._refusals)
+        watcher = _RefusalWatcher(raw, self._refusals, self._auth.denied)
         watcher.start()
         self._watchers.append(watcher)
 
@@ -193,16 +192,41 @@ HANDSHAKE_FAILED = (  # the monitor events of a failed handshake
 
 
 _watch_ids = itertools.count()
+_GONE = "an address already closed"
 
 
-def _peer_of(fd: int) -> str:
-    """``host:port`` of the peer of a connected socket descriptor ("?" if it is gone)."""
+def _peer_of(fd: int) -> tuple[str, str]:
+    """(host, ``host:port``) of the peer of a connected socket descriptor; ("", `_GONE`) if
+    the descriptor is closed already."""
     try:
         with pysocket.socket(fileno=os.dup(fd)) as s:
             host, port = s.getpeername()[:2]
     except OSError:
-        return "an address already closed"
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return "", _GONE
+    return host, (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+
+
+class _Zap(ThreadAuthenticator):
+    """pyzmq's ZAP thread, which also keeps the address of each peer it refused, oldest first.
+
+    The refusal watcher learns a peer's address from its descriptor, which libzmq may close
+    before the watcher thread reads it; a refused secret's ZAP request names the peer's host,
+    so that refusal keeps its host even then.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.denied: collections.deque[str] = collections.deque(maxlen=256)
+        self._asking = ""
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        self._asking = msg[3].decode("utf-8", "replace") if len(msg) > 3 else ""
+        await super().handle_zap_message(msg)
+
+    def _send_zap_reply(self, request_id, status_code, status_text, user_id="anonymous"):
+        if status_code != b"200":
+            self.denied.append(self._asking)
+        super()._send_zap_reply(request_id, status_code, status_text, user_id)
 
 
 class _RefusalWatcher(threading.Thread):
@@ -213,7 +237,7 @@ class _RefusalWatcher(threading.Thread):
     its handshake, otherwise the refusal lists every connection that was waiting.
     """
 
-    def __init__(self, sock: zmq.Socket, refusals: RefusalLog):
+    def __init__(self, sock: zmq.Socket, refusals: RefusalLog, denied: collections.deque[str]):
         super().__init__(name="arl-refusal-watch", daemon=True)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         # A unique address: pyzmq's get_monitor_socket names it after a descriptor number,
@@ -224,8 +248,9 @@ class _RefusalWatcher(threading.Thread):
         self.mon.linger = 0
         self.mon.connect(address)
         self.refusals = refusals
+        self._denied = denied  # hosts the ZAP handler refused, one per failed-auth event
         self._stop_event = threading.Event()
-        self._waiting: dict[int, str] = {}  # descriptor -> peer, handshake outcome not seen
+        self._waiting: dict[int, tuple[str, str]] = {}  # descriptor -> peer, outcome not seen
         self._unpinned = 0  # outcomes seen that could not be pinned on one connection
 
     def stop(self) -> None:
@@ -247,14 +272,14 @@ class _RefusalWatcher(threading.Thread):
         finally:
             self.mon.close(0)
 
-    def _refused(self, peers: list[str], why: str) -> None:
-        hosts = {p.rpartition(":")[0] for p in peers}
+    def _refused(self, peers: list[tuple[str, str]], why: str) -> None:
+        hosts = {host for host, _ in peers}
         host = hosts.pop() if len(hosts) == 1 else "several"
         if len(peers) == 1:
-            who = peers[0]
+            who = peers[0][1]
         else:
             more = f" and {len(peers) - 4} more" if len(peers) > 4 else ""
-            who = f"one of {', '.join(peers[:4]) or 'unknown'}{more}"
+            who = f"one of {', '.join(p for _, p in peers[:4]) or 'unknown'}{more}"
         line = f"refused a connection from {who} to {self.endpoint}: {why}"
         self.refusals.note(f"{host} {why.partition(' (')[0]}", line)
 
@@ -273,6 +298,10 @@ class _RefusalWatcher(threading.Thread):
             return
         # A handshake outcome.
         peers = list(self._waiting.values())
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            asked = self._denied.popleft() if self._denied else ""
+            if asked and len(peers) == 1 and peers[0][1] == _GONE:
+                peers = [(asked, f"{asked} (its port was closed before it could be read)")]
         if kind in HANDSHAKE_FAILED:
             self._refused(peers, _failure(kind, value))
         if len(self._waiting) == 1:
