@@ -36,7 +36,7 @@ from arl.wire.codec import (
     encode_message,
     peek_id,
 )
-from arl.wire.sockets import Authenticator, Security, bind_tcp, make_socket, new_secret
+from arl.wire.sockets import Authenticator, Security, bind_tcp, make_socket, new_context, new_secret
 
 log = logging.getLogger("arl.controller")
 
@@ -155,7 +155,7 @@ class Controller:
 
     # ---- lifetime ---------------------------------------------------------------------------
     async def __aenter__(self) -> Controller:
-        self.ctx = zmq.Context()
+        self.ctx = new_context()
         self.auth = Authenticator(self.ctx, self.security)
         self.sock = make_socket(
             self.ctx,

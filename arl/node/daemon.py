@@ -52,7 +52,7 @@ from arl.wire.codec import (
     encode_message,
     peek_id,
 )
-from arl.wire.sockets import Authenticator, Security, bind_tcp, host_id, make_socket
+from arl.wire.sockets import Authenticator, Security, bind_tcp, host_id, make_socket, new_context
 
 log = logging.getLogger("arl.node")
 
@@ -128,7 +128,7 @@ class NodeDaemon:
     # ---- main loop --------------------------------------------------------------------------
     async def run(self) -> str:
         """Serve until stopped; returns why the node stopped."""
-        self.ctx = zmq.Context()
+        self.ctx = new_context()
         self.auth = Authenticator(self.ctx, self.security)
         # No ZMQ_MAXMSGSIZE on the control DEALER: a frame over it makes libzmq close the link to
         # the controller for good (no reconnect after a protocol error) and the node goes deaf.

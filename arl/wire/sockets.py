@@ -17,6 +17,7 @@ import hashlib
 import itertools
 import logging
 import os
+import resource
 import secrets
 import socket as pysocket
 import threading
@@ -334,6 +335,33 @@ class _HideSecret(logging.LoggerAdapter):
     def log(self, level: int, msg: object, *args: object, **kwargs: object) -> None:
         args = tuple("<hidden>" if self._secret in str(a) else a for a in args)
         super().log(level, msg, *args, **kwargs)  # type: ignore[arg-type]
+
+
+_WANT_OPEN_FILES = 65536
+
+
+def new_context() -> zmq.Context:
+    """A zmq context sized for many peers.
+
+    A node keeps one DEALER and its monitor's two PAIRs per shard owner it pulls from, and the
+    controller one connection per node, so libzmq's default cap of 1,023 sockets and a common
+    soft limit of 1,024 open files would stop a run at a few hundred peers. The process's soft
+    limit is raised towards its hard limit (as inference servers do), and the context may use
+    half of it for sockets (the other half: connections, files, the model).
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = _WANT_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, _WANT_OPEN_FILES)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as exc:  # a container may refuse; the defaults still work
+            log.debug("could not raise the open-file limit from %d to %d: %s", soft, want, exc)
+    ctx = zmq.Context()
+    limit = ctx.get(zmq.SOCKET_LIMIT)
+    files = limit * 2 if soft == resource.RLIM_INFINITY else soft
+    ctx.set(zmq.MAX_SOCKETS, max(ctx.get(zmq.MAX_SOCKETS), min(limit, files // 2)))
+    return ctx
 
 
 def make_socket(
