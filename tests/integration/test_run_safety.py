@@ -133,8 +133,7 @@ def test_a_second_run_on_the_same_directory_is_refused_naming_the_first(tmp_path
         assert socket.gethostname() in line and "experiment.trial=trial1" in line
         assert "lr: 1.0e-05" in (run_path / "config.yaml").read_text()  # still A's config
         a.send_signal(signal.SIGTERM)
-        a.wait(timeout=300)
-        err = a.stderr.read()
+        _, err = a.communicate(timeout=300)  # drains the pipe while the run ends
     finally:
         a.kill()
     assert a.returncode == 128 + signal.SIGTERM, err[-3000:]
@@ -287,8 +286,7 @@ def test_sigterm_stops_the_run_like_ctrl_c(tmp_path, tiny_model, when, sigint):
         ready = nodes_up if when == "during setup" else _has_rows(run_path / "metrics.jsonl")
         _wait_for(proc, ready, seen, when)
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=300)
-        err = proc.stderr.read()
+        _, err = proc.communicate(timeout=300)  # drains the pipe while the run ends
     finally:
         proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]

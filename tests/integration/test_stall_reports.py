@@ -99,7 +99,9 @@ def test_a_reward_blocking_the_event_loop_is_named_and_not_recoverable(tiny_mode
     rows = [{**r, "block_s": 60} for r in make_arith(2, seed=0, split="train")]
 
     async def main():
-        async with local_cluster(1, heartbeat_interval=0.3, heartbeat_timeout=4) as (
+        # The timeout is far below the reward's 60 s block, and far above a start-up stall of
+        # a loaded machine (a node imports its role's modules with the GIL held).
+        async with local_cluster(1, heartbeat_interval=0.3, heartbeat_timeout=12) as (
             _,
             (node,),
             _p,
@@ -148,7 +150,7 @@ def test_the_launcher_does_not_restart_a_blocked_loop(tmp_path, tiny_model):
             "actor.max_tokens_per_mb=512",
             "cluster.n_gpus=0",
             "cluster.heartbeat_interval=0.3",
-            "cluster.heartbeat_timeout=4",
+            "cluster.heartbeat_timeout=12",  # below the reward's 30 s block (see above)
             "cluster.allowed_import_prefixes=[arl,tests]",
             "rollout.reward=tests.support.hostile:blocking_reward",
             "recover.mode=auto",

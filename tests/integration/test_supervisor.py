@@ -89,14 +89,17 @@ def test_killed_node_is_recovered_by_the_launcher_itself(tmp_path, tiny_model):
     overrides = _overrides(tmp_path, tiny_model)
     cmd = [sys.executable, "-m", "arl.launch", "recipes/arith.py", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    # A file, not a pipe: nobody reads during the run, and a full pipe would block the launcher.
+    log_path = tmp_path / "launcher.err"
+    log_file = log_path.open("w")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=log_file, text=True)
     run_path = tmp_path / "sup" / "trial0"
     latest = run_path / "recover" / "latest"
     seen: dict[int, str] = {}
     try:
         deadline = time.monotonic() + 600
         while not (latest.exists() and latest.read_text().strip() == "step2"):
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert proc.poll() is None, log_path.read_text()[-3000:]
             assert time.monotonic() < deadline, "no step-2 checkpoint in time"
             seen.update(_descendants(proc.pid))
             time.sleep(0.5)
@@ -108,9 +111,10 @@ def test_killed_node_is_recovered_by_the_launcher_itself(tmp_path, tiny_model):
             assert time.monotonic() < deadline, "the launcher did not finish"
             seen.update(_descendants(proc.pid))
             time.sleep(0.5)
-        err = proc.stderr.read()
     finally:
         proc.kill()
+        log_file.close()
+    err = log_path.read_text()
     assert proc.returncode == 0, err[-3000:]
     assert "node rollout0 was lost" in err and "recovery: restarting" in err, err[-3000:]
     assert err.count("recovery: restarting") == 1, err[-3000:]
