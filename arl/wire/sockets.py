@@ -22,6 +22,7 @@ import secrets
 import socket as pysocket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -133,8 +134,10 @@ class RefusalLog:
     """WARNING lines for refused peers, at most one per (peer host, reason) per ``window``
     seconds and ``burst`` in all per window; a key's next line says how many it left out."""
 
-    def __init__(self, window: float = 10.0, burst: int = 10):
-        self.window, self.burst = window, burst
+    def __init__(
+        self, window: float = 10.0, burst: int = 10, clock: Callable[[], float] = time.monotonic
+    ):
+        self.window, self.burst, self._clock = window, burst, clock
         self._lock = threading.Lock()
         self._last: dict[str, float] = {}
         self._left_out: dict[str, int] = {}
@@ -145,7 +148,7 @@ class RefusalLog:
 
     def note(self, key: str, line: str) -> bool:
         """Count one refusal (``key``: its host and kind); log ``line`` unless rate-limited."""
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             self.refused += 1
             if now - self._window_start >= self.window:

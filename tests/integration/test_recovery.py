@@ -87,8 +87,12 @@ def test_killed_launcher_resumes_at_next_step_with_same_batches(tmp_path, tiny_m
     cmd = _command(rec_dir, tiny_model, 4, order)
     subprocess.run(cmd, cwd=REPO, env=env, check=True, timeout=600)
     rows = _metrics(rec_dir)
-    steps = [r["step"] for r in rows]
-    assert steps[-2:] == [3, 4] and steps.count(3) == 1, steps
+    steps = [(r["run_id"], r["step"]) for r in rows]
+    killed = [step for run_id, step in steps if run_id == rows[0]["run_id"]]
+    restarted = [step for run_id, step in steps if run_id != rows[0]["run_id"]]
+    # The kill lands once step 2's checkpoint is on disk: before step 3's line, or after it
+    # when this process was slow to look; the restart continues at step 3 either way.
+    assert killed in ([1, 2], [1, 2, 3]) and restarted == [3, 4], steps
     resumed = {r["step"]: r for r in rows}  # a step logged twice keeps its last line
     assert set(resumed) == {1, 2, 3, 4}
     trained = [i for step in (1, 2, 3, 4) for i in resumed[step]["batch/data_ids"]]
