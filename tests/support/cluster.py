@@ -16,11 +16,15 @@ async def local_cluster(
     *,
     allow: tuple[str, ...] = ("arl.", "tests."),
     heartbeat_interval: float = 0.3,
-    heartbeat_timeout: float = 3.0,
+    heartbeat_timeout: float = 15.0,
     curve: bool = False,
     env: dict[str, str] | None = None,
 ) -> AsyncIterator[tuple[Controller, list[NodeHandle], LocalNodes]]:
-    """Yield (controller, nodes, processes); everything is ended on exit."""
+    """Yield (controller, nodes, processes); everything is ended on exit.
+
+    The default timeout is far above a loaded machine's stalls (a node's loop waits seconds for
+    the GIL while its role's modules import); a test about losing a node passes its own.
+    """
     security = Security(new_secret(), curve=curve)
     node_env = {"OMP_NUM_THREADS": "1", **(env or {})}
     async with Controller(
