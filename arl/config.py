@@ -135,7 +135,11 @@ class RolloutConfig:
         "(the loader's order: batches, and a resumed run's, do not depend on timing)",
     )
     workflow: str = _f("arl.workflows.rlvr:RLVRWorkflow", "workflow class, module:attribute")
-    reward: str = _f("arl.rewards.gsm8k:gsm8k_reward", "reward function, module:attribute")
+    reward: str = _f(
+        "arl.rewards.gsm8k:gsm8k_reward",
+        "reward function, module:attribute: (completion, data) -> float, async def or plain def "
+        "(a plain one runs in a thread)",
+    )
     server_python: str = _f("python", "interpreter that runs vllm/sglang servers")
     server_args: list[str] = _f(help="extra command-line arguments for the server", factory=list)
     server_start_timeout: float = _f(600.0, "seconds to wait for an inference server to be healthy")

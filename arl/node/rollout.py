@@ -9,11 +9,13 @@ the tensors stay here until a train rank pulls them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
+import inspect
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import torch
@@ -44,6 +46,26 @@ class GroupTimeout(TimeoutError):
     """A prompt group ran longer than ``rollout.group_timeout``; it was cancelled and dropped."""
 
     error_kind = ErrorKind.GROUP_TIMEOUT
+
+
+def as_async_reward(fn: Any, target: str) -> Callable[[str, dict[str, Any]], Awaitable[float]]:
+    """``rollout.reward`` as the workflows call it: an ``async def`` as it is; a plain function
+    runs in a worker thread, so a slow score never blocks the node's event loop (an awaitable
+    it returns is awaited). Anything not callable is refused naming ``target``."""
+    if not callable(fn):
+        raise TypeError(
+            f"rollout.reward={target} is a {type(fn).__name__}, not a function; name a function "
+            "(completion: str, data: dict) -> float, plain or async def"
+        )
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
+        return fn
+
+    @functools.wraps(fn)
+    async def reward(completion: str, data: dict[str, Any]) -> float:
+        out = await asyncio.to_thread(fn, completion, data)
+        return await out if inspect.isawaitable(out) else out
+
+    return reward
 
 
 class RolloutWorker:
@@ -109,7 +131,9 @@ class RolloutWorker:
             # or the node's heartbeats stall and the controller declares it lost.
             from transformers import AutoTokenizer
 
-            reward_fn = resolve_import(self.reward_target, prefixes)
+            reward_fn = as_async_reward(
+                resolve_import(self.reward_target, prefixes), self.reward_target
+            )
             warm_up = getattr(reward_fn, "warm_up", None)
             if callable(warm_up):  # e.g. verify workers, whose imports overlap the engine's load
                 started = warm_up()

@@ -22,3 +22,12 @@ async def async_warm_up_reward(completion: str, data: dict[str, Any]) -> float:
 
 
 async_warm_up_reward.warm_up = _async_warm_up  # type: ignore[attr-defined]
+
+
+def plain_thread_reward(completion: str, data: dict[str, Any]) -> float:
+    """A plain ``def`` reward that says where it ran: 1.0 off the main thread (where a node's
+    event loop runs), 0.0 on it."""
+    import threading
+
+    return float(threading.current_thread() is not threading.main_thread())
+
