@@ -221,11 +221,19 @@ class TrainWorker:
     def save_hf(self, path: str) -> None:
         """Write the weights as an HF folder (every rank calls; rank 0 writes), atomically."""
         tmp = f"{path}.tmp"
-        self.engine.save_hf(tmp)
+        try:
+            self.engine.save_hf(tmp)
+        except BaseException:  # e.g. a full disk: leave no half-written folder behind
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if self.rank == 0:
-            if os.path.exists(path):
-                shutil.rmtree(path)
+            old = f"{path}.old"
+            if os.path.exists(path):  # this run's own earlier export of the step (a restart)
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(path, old)
             os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
 
     def weights_checksum(self) -> str:
         """Checksum of the full weights, comparable with an inference engine's."""
