@@ -237,20 +237,23 @@ class Controller:
         node = self.nodes.get(node_id)
         if node is None:
             raise KeyError(f"unknown node {node_id!r}; known: {sorted(self.nodes)}")
+        doing = _describe(method, args)
         if node.lost:
-            raise NodeLost(node_id, method, node.lost, node.blocked_in)
+            raise NodeLost(node_id, doing, node.lost, node.blocked_in)
         mid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
-        self._pending[mid] = (fut, node_id, _describe(method, args))
+        self._pending[mid] = (fut, node_id, doing)
         try:
-            await self._send(node.identity, Message("call", mid, method, args))
+            await self._send(node.identity, Message("call", mid, method, args), doing)
             if timeout is None:
                 return await fut
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._pending.pop(mid, None)
 
-    async def _send(self, identity: bytes, msg: Message) -> None:
+    async def _send(self, identity: bytes, msg: Message, doing: str = "") -> None:
+        """Send ``msg``; a node that is not connected raises `NodeLost` naming ``doing`` (the
+        call, as `_describe` names it) or the message's method."""
         frames = encode_message(msg, self.inline_threshold)
         self.bytes_out += sum(memoryview(f).nbytes for f in frames)
         try:
@@ -260,7 +263,7 @@ class Controller:
                 node = self._by_identity.get(identity)
                 raise NodeLost(
                     node.node_id if node else identity.decode(errors="replace"),
-                    msg.method,
+                    doing or msg.method,
                     "not connected",
                 ) from None
             raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 
@@ -125,10 +126,37 @@ def test_kill_9_of_a_node_gives_node_lost_within_timeout():
             # The other node still answers; a new call to the lost one fails at once.
             other = await nodes[1].create("tests.support.objects:Echo")
             assert await other.echo(1) == 1
-            with pytest.raises(NodeLost):
+            with pytest.raises(NodeLost, match=r"while running \S+\.echo: "):
                 await echo.echo(1)
 
     asyncio.run(main())
+
+
+def test_a_call_to_a_node_whose_connection_is_gone_names_the_call():
+    """Before the heartbeats declare it lost, a killed node's connection is already gone: a call
+    then fails at once ("not connected"), naming the object method, not the wire op."""
+
+    async def main() -> str:
+        async with local_cluster(1, heartbeat_interval=0.2, heartbeat_timeout=120) as (
+            ctl,
+            (victim,),
+            _procs,
+        ):
+            echo = await victim.create("tests.support.objects:Echo")
+            os.kill(victim.info["pid"], signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                try:  # queued while libzmq still holds the connection; refused once it is gone
+                    await asyncio.wait_for(echo.echo(1), 1.0)
+                except TimeoutError:
+                    continue
+                except NodeLost as e:
+                    assert victim.node_id not in ctl.lost  # the heartbeats have not decided
+                    return str(e)
+            raise AssertionError("calls to the killed node never failed")
+
+    message = asyncio.run(main())
+    assert re.search(r"was lost while running \S+\.echo: not connected", message), message
 
 
 def test_node_exits_when_controller_is_gone(tmp_path):
