@@ -62,7 +62,13 @@ def main(argv: list[str] | None = None) -> int:
             f"benchmark {name!r} is not available yet ({module_name} is missing)", file=sys.stderr
         )
         return 2
-    return int(module.main(rest) or 0)
+    from arl.config import ConfigError
+
+    try:
+        return int(module.main(rest) or 0)
+    except ConfigError as e:  # e.g. a run folder the benchmark may not replace
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

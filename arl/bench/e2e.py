@@ -26,6 +26,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from arl.bench import fresh_run_dir
 from arl.bench.sim import format_hist, gen_during_train
 from arl.config import Config, ConfigError, apply_overrides
 from arl.control.placement import detect_gpus
@@ -128,8 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results, traces = {}, {}
     for eta, cfg in configs.items():
-        if cfg.run_path.exists():
-            shutil.rmtree(cfg.run_path)
+        fresh_run_dir(cfg.run_path)
         where = f"{detect_gpus(cfg)} GPU(s)" if detect_gpus(cfg) else "CPU (preset applied)"
         print(
             f"eta={eta}: {cfg.data.batch_size} groups x {cfg.gconfig.n_samples} samples x "

@@ -31,13 +31,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from arl.bench import fresh_run_dir
 from arl.bench.e2e import bench_config
 from arl.config import Config, ConfigError
 from arl.control.placement import detect_gpus
@@ -173,16 +173,18 @@ def summarize(
     peak, bw = floors["matmul_flops"], floors["hbm_bytes_s"]
     tokens = statistics.median(r["batch/n_tokens"] for r in steady)
     weight_bytes = rows[-1].get("sync/bytes") or 2 * n_params
-    floor_of = {
-        "wait_rollout": 0.0,
-        "pull_dispatch": 0.0,
-        "logp": 2 * n_params * tokens / peak,
-        "update": 6 * n_params * tokens / peak,
-        "weight_sync": 2 * weight_bytes / bw,
-    }
 
     def med(key: str) -> float:
         return statistics.median(float(r.get(key, 0.0)) for r in steady)
+
+    floor_of = {
+        "wait_rollout": 0.0,
+        "pull_dispatch": 0.0,
+        # No pass of its own when the update computes the proximal log-probs (prox_logp=auto).
+        "logp": 2 * n_params * tokens / peak if med("time/logp_s") > 0 else 0.0,
+        "update": 6 * n_params * tokens / peak,
+        "weight_sync": 2 * weight_bytes / bw,
+    }
 
     phases = {name: {"median_s": med(key), "floor_s": floor_of[name]} for name, key in PHASES}
     rest = [r["time/step_s"] - sum(float(r.get(k, 0.0)) for _, k in PHASES) for r in steady]
@@ -209,19 +211,20 @@ def summarize(
         "sync_paused_s": med("sync/paused_s") if "sync/paused_s" in steady[0] else None,
     }
     if profile is not None:
-        by_step = {r["step"]: r for r in rows}
-        nxt = by_step.get(profile_step + 1, {})
-        sync = by_step.get(profile_step, {}).get("time/sync_s", 0.0)
         out["profile"] = profile
-        # The window runs from this step's load_batch to the next one's: take out the next
-        # step's rollout wait, the device work and the weight sync; what is left is overhead.
-        out["fixed_overhead_s"] = max(
-            0.0,
-            profile["window_s"]
-            - nxt.get("time/wait_rollout_s", 0.0)
-            - profile["device_busy_s"]
-            - sync,
-        )
+        if profile["kernels"]:  # a device timeline; on CPU there is none, so no figure
+            by_step = {r["step"]: r for r in rows}
+            nxt = by_step.get(profile_step + 1, {})
+            sync = by_step.get(profile_step, {}).get("time/sync_s", 0.0)
+            # The window runs from this step's load_batch to the next one's: take out the next
+            # step's rollout wait, the device work and the weight sync; the rest is overhead.
+            out["fixed_overhead_s"] = max(
+                0.0,
+                profile["window_s"]
+                - nxt.get("time/wait_rollout_s", 0.0)
+                - profile["device_busy_s"]
+                - sync,
+            )
     return out
 
 
@@ -307,7 +310,12 @@ def report(m: dict, floors: dict) -> str:
         lines.append(
             f"profiled step: window {p['window_s']:.3f} s, train-rank device busy "
             f"{p['device_busy_s']:.3f} s, {p['kernels']} kernels, {p['host_syncs']} host syncs, "
-            f"{p['device_mallocs']} device mallocs; fixed overhead {m['fixed_overhead_s']:.3f} s"
+            f"{p['device_mallocs']} device mallocs; fixed overhead "
+            + (
+                f"{m['fixed_overhead_s']:.3f} s"
+                if "fixed_overhead_s" in m
+                else "not measured (no device kernels: CPU)"
+            )
         )
     if "step1" in m:
         f = m["step1"]
@@ -331,7 +339,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m arl.bench loop", description=__doc__.split("\n")[0])
     p.add_argument("--recipe", default="recipes/arith.py")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--profile-step", type=int, default=3, help="0: no profile")
+    p.add_argument(
+        "--profile-step",
+        type=int,
+        default=None,
+        help="the step recorded with torch.profiler (default 3, or the last but one of a "
+        "shorter run; 0: none)",
+    )
     p.add_argument("--run-dir", type=Path, default=Path("runs/bench-loop"))
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     p.add_argument("overrides", nargs="*", help="config overrides key=value (applied last)")
@@ -339,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.steps < 2:
         print("error: --steps must be >= 2 (step 1 is the warm-up)", file=sys.stderr)
         return 2
+    if a.profile_step is None:
+        a.profile_step = min(3, a.steps - 1)
     if a.profile_step and not 1 <= a.profile_step < a.steps:
         print(f"error: --profile-step must be in 1..{a.steps - 1} (or 0)", file=sys.stderr)
         return 2
@@ -355,8 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     n_gpus = detect_gpus(cfg)
     device = "cuda" if n_gpus and torch.cuda.is_available() else "cpu"
     floors = measure_floors(device)
-    if cfg.run_path.exists():
-        shutil.rmtree(cfg.run_path)
+    fresh_run_dir(cfg.run_path)
     profile_dir = cfg.run_path / "profile"
     where = f"{n_gpus} GPU(s)" if n_gpus else "CPU (preset applied)"
     print(

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ from typing import Any
 
 import attrs
 
+from arl.bench import fresh_run_dir
 from arl.config import Config, apply_overrides
 from arl.control.cluster import Cluster, start_cluster
 from arl.control.controller import RemoteObject
@@ -243,8 +243,7 @@ def probe(cluster: Cluster) -> Probe:
 async def run_sim(spec: SimSpec, run_dir: Path) -> SimResult:
     """Run ``spec`` on fresh nodes under ``run_dir``; the nodes are ended before it returns."""
     cfg = sim_config(spec, run_dir)
-    if cfg.run_path.exists():
-        shutil.rmtree(cfg.run_path)
+    fresh_run_dir(cfg.run_path)
     plan = plan_placement(cfg, 0)
     async with start_cluster(cfg, plan) as cluster:
         trainer = SimTrainer(cfg, cluster, spec)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from arl.bench import fresh_run_dir
 from arl.bench.e2e import CPU_PRESET
 from arl.config import Config, ConfigError, apply_overrides
 from arl.control.placement import detect_gpus
@@ -144,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{mode}: skipped, {e}", flush=True)
             continue
         label = f"{mode} -> {resolved}" if mode == "auto" else mode
-        if cfg.run_path.exists():
-            shutil.rmtree(cfg.run_path)
+        fresh_run_dir(cfg.run_path)
         print(f"{label}: {cfg.experiment.total_train_steps} steps of {a.recipe} ...", flush=True)
         asyncio.run(run(cfg))
         results[label] = summarize(read_jsonl(cfg.run_path / "metrics.jsonl"))

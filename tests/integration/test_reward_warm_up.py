@@ -74,4 +74,3 @@ def test_a_plain_def_reward_scores_every_sample_off_the_event_loop(tiny_model):
             await worker.engine.aclose()
 
     assert asyncio.run(main()) == [1.0, 1.0, 1.0]
-

@@ -30,4 +30,3 @@ def plain_thread_reward(completion: str, data: dict[str, Any]) -> float:
     import threading
 
     return float(threading.current_thread() is not threading.main_thread())
-
