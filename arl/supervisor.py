@@ -35,29 +35,35 @@ def supervise(
             return 0
         except (NodeLost, RolloutFailed, CallTimeout, RemoteError, CheckpointError) as e:
             # The cluster is down by now (every process of the attempt was ended).
-            print(f"error: the run stopped: {e}", file=sys.stderr)
-            if cfg.recover.mode != "auto":
-                return 1
-            if not recoverable(e):
-                print(
-                    "recovery: not restarting (this error would happen again); once it is "
-                    "fixed, run the same command to resume from the last checkpoint",
-                    file=sys.stderr,
-                )
-                return 1
-            if restarts >= cfg.recover.retries:
-                print(
-                    f"error: giving up after {restarts} restart(s) (recover.retries="
-                    f"{cfg.recover.retries})",
-                    file=sys.stderr,
-                )
+            why_not = _why_not_restart(cfg, e, restarts)
+            if why_not is not None:
+                print(f"error: the run stopped: {e}", file=sys.stderr)
+                if why_not:
+                    print(why_not, file=sys.stderr)
                 return 1
             restarts += 1
             print(
-                f"recovery: restarting the run from its last checkpoint (restart {restarts} of "
-                f"at most {cfg.recover.retries})",
+                f"recovery: this attempt stopped: {e}\nrecovery: restarting the run from its last "
+                f"checkpoint (restart {restarts} of at most {cfg.recover.retries})",
                 file=sys.stderr,
             )
+
+
+def _why_not_restart(cfg: Config, exc: BaseException, restarts: int) -> str | None:
+    """None when the run restarts after ``exc``; else the line saying why not ("" with
+    recovery off)."""
+    if cfg.recover.mode != "auto":
+        return ""
+    if not recoverable(exc):
+        return (
+            "recovery: not restarting (this error would happen again); once it is fixed, run "
+            "the same command to resume from the last checkpoint"
+        )
+    if restarts >= cfg.recover.retries:
+        return (
+            f"error: giving up after {restarts} restart(s) (recover.retries={cfg.recover.retries})"
+        )
+    return None
 
 
 def recoverable(exc: BaseException) -> bool:

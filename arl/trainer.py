@@ -150,6 +150,7 @@ class PPOTrainer:
         self.cfg, self.cluster = cfg, cluster
         self.version = 0
         self.step = 0
+        self.resumed_from: int | None = None  # the recovery checkpoint's step, when resumed
         self.train_workers: list[RemoteObject] = []
         self.rollout_workers: list[RemoteObject] = []
         self.stats = StatsLogger(
@@ -577,6 +578,7 @@ class PPOTrainer:
         log.warning("recovering from step %d (version %d)", state.step, state.version)
         await self.ranks.load_state(str(state.path / "model"), state.step)
         self.step, self.version = state.step, state.version
+        self.resumed_from = state.step
         self.rollout.load_state_dict(state.rollout)
         # The engines start from the original weights: sync the recovered ones in.
         await self.weight_sync.sync(self.version)
@@ -659,7 +661,11 @@ class PPOTrainer:
         """The run's last lines: steps, wall time, final reward and accuracy, and its files."""
         m, run = self.last_metrics, self.cfg.run_path
         minutes, seconds = divmod(round(wall_s), 60)
-        lines = [f"done: {self.step} steps in {minutes} min {seconds:02d} s"]
+        steps = f"{self.step} step{'s' if self.step != 1 else ''}"
+        if self.resumed_from is not None:  # the wall time is this attempt's
+            done_here = self.step - self.resumed_from
+            steps += f" ({done_here} in this attempt, resumed from step {self.resumed_from})"
+        lines = [f"done: {steps} in {minutes} min {seconds:02d} s"]
         if m:
             lines[0] += (
                 f"; last step: reward {m['rollout/reward_mean']:.3f}, "

@@ -9,6 +9,7 @@ logged twice), on the same batches an uninterrupted run would have taken.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -92,7 +93,9 @@ def test_killed_node_is_recovered_by_the_launcher_itself(tmp_path, tiny_model):
     # A file, not a pipe: nobody reads during the run, and a full pipe would block the launcher.
     log_path = tmp_path / "launcher.err"
     log_file = log_path.open("w")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=log_file, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT, text=True
+    )
     run_path = tmp_path / "sup" / "trial0"
     latest = run_path / "recover" / "latest"
     seen: dict[int, str] = {}
@@ -118,6 +121,9 @@ def test_killed_node_is_recovered_by_the_launcher_itself(tmp_path, tiny_model):
     assert proc.returncode == 0, err[-3000:]
     assert "node rollout0 was lost" in err and "recovery: restarting" in err, err[-3000:]
     assert err.count("recovery: restarting") == 1, err[-3000:]
+    assert "recovery: this attempt stopped: node rollout0 was lost" in err, err[-3000:]
+    assert "error: the run stopped" not in err, err[-3000:]  # it did not: it went on
+    assert re.search(rf"done: {STEPS} steps \(\d in this attempt, resumed from step \d\)", err)
     # Every process of both attempts is gone, the killed attempt's included.
     assert [p for p in first if p != victim and _alive(p)] == []
     assert [(p, a) for p, a in seen.items() if _alive(p)] == []
