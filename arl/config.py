@@ -932,8 +932,8 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
         kind = attrs.fields_dict(Config)[section].type
         if not isinstance(target, kind):  # a recipe replaced the section
             raise ConfigError(
-                f"config key {key!r}: section {section} is {_show(target)}, not a "
-                f"{kind.__name__}; the recipe must set its fields, not replace it"
+                f"config key {key!r}: section {section} must be of type {kind.__name__}, got "
+                f"{_show(target)}; a recipe sets its fields (cfg.{section}.NAME = ...)"
             )
         setattr(target, name, value)
     return cfg

@@ -8,6 +8,7 @@ with ``python path/to/recipe.py``, so a recipe can import a module beside it.
 """
 
 import contextlib
+import importlib.machinery
 import importlib.util
 import sys
 import traceback
@@ -26,9 +27,11 @@ def import_recipe(path: str) -> ModuleType:
         raise ConfigError(
             f"recipe {path!r} not found (expected a Python file such as recipes/gsm8k.py)"
         )
-    spec = importlib.util.spec_from_file_location(f"arl_recipe_{file.stem}", file)
-    if spec is None or spec.loader is None:
-        raise ConfigError(f"recipe {path!r} cannot be imported; is it a .py file?")
+    # An explicit source loader reads the file whatever its name ends in, as `python FILE` does.
+    name = f"arl_recipe_{file.stem}"
+    loader = importlib.machinery.SourceFileLoader(name, str(file))
+    spec = importlib.util.spec_from_file_location(name, file, loader=loader)
+    assert spec is not None  # given a loader, a spec is always made
     module = importlib.util.module_from_spec(spec)
     _run(path, spec.loader.exec_module, module)
     if not callable(getattr(module, "make_config", None)):
