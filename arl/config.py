@@ -426,9 +426,17 @@ class Config:
         Types come first (a recipe assigns fields directly, past the override parser): with any
         field of the wrong type only the type problems are listed, as the value checks need them.
         """
-        problems = type_problems(self) or _validation_problems(self)
-        if problems:
-            raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+        _raise(type_problems(self) or _validation_problems(self))
+
+    def validate_types(self) -> None:
+        """Check only that every field has its annotated type (`type_problems`); raise one
+        `ConfigError` listing every one that does not."""
+        _raise(type_problems(self))
+
+
+def _raise(problems: list[str]) -> None:
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -537,8 +545,12 @@ def _type_problem(value: Any, tp: Any) -> str:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             return "expected float"
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:  # an int beyond every float
+            finite = False
         # No float field takes infinity: a limit that can be off is `float | None` instead.
-        return "" if math.isfinite(value) else "must be a finite number"
+        return "" if finite else "must be a finite number"
     if tp in (int, str, bool):
         ok = isinstance(value, tp) and (tp is bool or not isinstance(value, bool))
         return "" if ok else f"expected {tp.__name__}"

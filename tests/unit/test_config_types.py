@@ -105,6 +105,7 @@ def test_an_override_on_a_replaced_section_is_a_config_error():
         ("actor.eps_clip_higher", math.nan),  # float | None
         ("rollout.group_timeout", math.inf),  # no limit is none, not inf
         ("cluster.heartbeat_timeout", math.inf),
+        ("actor.grad_clip", 10**400),  # an int no float can hold
     ],
 )
 def test_non_finite_floats_are_refused(key, value):
