@@ -361,10 +361,17 @@ class RecoverConfig:
 class EvaluatorConfig:
     """Periodic evaluation on data.eval_split."""
 
-    freq_steps: int | None = _f(None, "evaluate every this many steps (none: never)")
+    freq_steps: int | None = _f(
+        None, "evaluate every this many steps and after the last step (none: never)"
+    )
     n_samples: int = _f(1, "completions per evaluation question")
     temperature: float = _f(0.0, "evaluation sampling temperature (0: greedy)")
     max_questions: int | None = _f(64, "evaluate on at most this many questions (none: all)")
+
+    def due(self, step: int, total_steps: int) -> bool:
+        """Whether to evaluate after ``step`` of ``total_steps``: every ``freq_steps`` steps,
+        and after the last one, so a run always ends with the trained policy's accuracy."""
+        return bool(self.freq_steps) and (step % self.freq_steps == 0 or step == total_steps)
 
 
 @attrs.define(kw_only=True)
@@ -418,10 +425,22 @@ class Config:
         return self.rollout.max_concurrent_rollouts or 2 * self.data.batch_size
 
     def validate(self) -> None:
-        """Check every field and the relations between them; raise one `ConfigError` listing all."""
-        problems = _validation_problems(self)
-        if problems:
-            raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+        """Check every field and the relations between them; raise one `ConfigError` listing all.
+
+        Types come first (a recipe assigns fields directly, past the override parser): with any
+        field of the wrong type only the type problems are listed, as the value checks need them.
+        """
+        _raise(type_problems(self) or _validation_problems(self))
+
+    def validate_types(self) -> None:
+        """Check only that every field has its annotated type (`type_problems`); raise one
+        `ConfigError` listing every one that does not."""
+        _raise(type_problems(self))
+
+
+def _raise(problems: list[str]) -> None:
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -505,6 +524,66 @@ def parse_backend(s: str, role: Literal["rollout", "train"] | None = None) -> Ba
 _PREFIX = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\.?")
 
 
+def _type_problem(value: Any, tp: Any) -> str:
+    """Why ``value`` does not fit the annotation ``tp`` ("" when it does)."""
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Literal:
+        return "" if value in args else f"choose one of {', '.join(map(str, args))}"
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return ""
+        inner = [a for a in args if a is not type(None)]
+        if any(not _type_problem(value, a) for a in inner):
+            return ""
+        why = _type_problem(value, inner[0]) if len(inner) == 1 else ""
+        if why.startswith("must be"):  # the right type, a refused value (nan): say that
+            return why
+        return f"expected {_type_name(tp)}"
+    if origin in (list, tuple):
+        if not isinstance(value, origin):  # a str would otherwise pass as a list of letters
+            return f"expected {_type_name(tp)}"
+        item = args[0]
+        if any(_type_problem(v, item) for v in value):
+            return f"expected {_type_name(tp)}"
+        return ""
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return "expected float"
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:  # an int beyond every float
+            finite = False
+        # No float field takes infinity: a limit that can be off is `float | None` instead.
+        return "" if finite else "must be a finite number"
+    if tp in (int, str, bool):
+        ok = isinstance(value, tp) and (tp is bool or not isinstance(value, bool))
+        return "" if ok else f"expected {tp.__name__}"
+    if attrs.has(tp):
+        return "" if isinstance(value, tp) else f"expected a section of type {tp.__name__}"
+    return ""  # pragma: no cover - every field type is above
+
+
+def type_problems(cfg: Config) -> list[str]:
+    """Every field whose value does not fit its annotation, as ``key=value: expected TYPE``.
+
+    Ints are not bools, floats accept ints and must be finite, lists hold items of their type,
+    and each section must be its attrs class (its fields are not looked at otherwise).
+    """
+    problems: list[str] = []
+    for section in attrs.fields(Config):
+        value = getattr(cfg, section.name)
+        why = _type_problem(value, section.type)
+        if why:
+            problems.append(f"{section.name}={_show(value)}: {why}")
+            continue
+        for field in attrs.fields(section.type):
+            v = getattr(value, field.name)
+            why = _type_problem(v, field.type)
+            if why:
+                problems.append(f"{section.name}.{field.name}={_show(v)}: {why}")
+    return problems
+
+
 def _validation_problems(cfg: Config) -> list[str]:
     problems: list[str] = []
 
@@ -520,17 +599,7 @@ def _validation_problems(cfg: Config) -> list[str]:
     def within(key: str, lo: float, hi: float) -> None:
         check(key, lo <= get_key(cfg, key) <= hi, f"must be in [{lo}, {hi}]")
 
-    # Choice fields: an override is parsed against its Literal, but a recipe sets them directly.
-    for section in attrs.fields(Config):
-        for field in attrs.fields(section.type):
-            if get_origin(field.type) is Literal:
-                choices = get_args(field.type)
-                check(
-                    f"{section.name}.{field.name}",
-                    getattr(getattr(cfg, section.name), field.name) in choices,
-                    f"choose one of {', '.join(map(str, choices))}",
-                )
-
+    # Types, choice fields included, are checked before: `type_problems`.
     for key, role in (("rollout.backend", "rollout"), ("actor.backend", "train")):
         try:
             parse_backend(get_key(cfg, key), role)  # type: ignore[arg-type]
@@ -875,7 +944,14 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
             except ConfigError as e:
                 raise ConfigError(f"config key {key!r}: {e}") from None
         section, _, name = key.partition(".")
-        setattr(getattr(cfg, section), name, value)
+        target = getattr(cfg, section)
+        kind = attrs.fields_dict(Config)[section].type
+        if not isinstance(target, kind):  # a recipe replaced the section
+            raise ConfigError(
+                f"config key {key!r}: section {section} must be of type {kind.__name__}, got "
+                f"{_show(target)}; a recipe sets its fields (cfg.{section}.NAME = ...)"
+            )
+        setattr(target, name, value)
     return cfg
 
 

@@ -12,6 +12,8 @@ status 2; SIGTERM stops the run as Ctrl-C does (exit 143, 130).
 
 import asyncio
 import logging
+import os
+import re
 import signal
 import sys
 from typing import Any
@@ -21,15 +23,16 @@ from arl.control.placement import NodeSpec, detect_gpus, format_plan, plan_place
 from arl.data.gsm8k import DatasetError
 from arl.engines.spec import describe, engine_spec
 from arl.event_loop import cancel_running
-from arl.recipe import import_recipe, load_recipe
+from arl.recipe import apply_cpu_preset, import_recipe, load_recipe
 
 USAGE = """\
 usage: python -m arl.launch RECIPE [key=value ...] [--dry-run] [--help]
 
   RECIPE      a Python file defining make_config() -> arl.config.Config (e.g. recipes/gsm8k.py),
               and optionally cpu_preset(cfg), applied when the placement plan has no GPU
-  key=value   override a config field, e.g. actor.lr=1e-5 rollout.backend=sglang:d2
-              lists: cluster.srun_args=[a,b]; optional fields: evaluator.freq_steps=none
+  key=value   override a config field (before or after RECIPE), e.g. actor.lr=1e-5
+              rollout.backend=sglang:d2; lists: cluster.srun_args=[a,b]; optional fields:
+              evaluator.freq_steps=none
   --dry-run   print the resolved config and the placement plan, then exit
   --help      print this text and every config field (with RECIPE: the recipe's values)
 """
@@ -46,15 +49,26 @@ def configure(path: str, overrides: list[str]) -> tuple[Config, list[NodeSpec], 
     cfg.validate()
     n_gpus = detect_gpus(cfg)
     plan = plan_placement(cfg, n_gpus)
-    cpu_preset = getattr(recipe, "cpu_preset", None)
-    if cpu_preset is not None and not any(n.gpu_ids for n in plan):
+    if hasattr(recipe, "cpu_preset") and not any(n.gpu_ids for n in plan):
         cfg = load_recipe(path, recipe)
-        cpu_preset(cfg)
+        apply_cpu_preset(path, recipe, cfg)
         cfg = apply_overrides(cfg, overrides)
         cfg.validate()
         n_gpus = detect_gpus(cfg)
         plan = plan_placement(cfg, n_gpus)
     return cfg, plan, n_gpus
+
+
+_OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=")
+
+
+def _find_recipe(positional: list[str]) -> str | None:
+    """The recipe among the positional arguments, wherever it stands among the overrides: the
+    first that is not ``key=value`` and ends in .py or names a file, else the first that is not
+    ``key=value`` (refused then as not found), else None."""
+    candidates = [a for a in positional if not _OVERRIDE.match(a)]
+    named = [a for a in candidates if a.endswith(".py") or os.path.isfile(a)]
+    return (named or candidates or [None])[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,12 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown option {sorted(unknown)[0]}\n\n{USAGE}", file=sys.stderr)
         return 2
-    recipe, overrides = (positional[0], positional[1:]) if positional else (None, [])
-    if recipe is not None and "=" in recipe and not recipe.endswith(".py"):
-        recipe, overrides = None, positional  # overrides given without a recipe
+    recipe = _find_recipe(positional)
+    overrides = list(positional)
+    if recipe is not None:
+        overrides.remove(recipe)  # its first occurrence, which is the one chosen
     try:
         if flags & {"--help", "-h"}:
             cfg = load_recipe(recipe) if recipe else None
+            if cfg is not None:
+                cfg.validate_types()  # help_text would show wrong types, or trip on them
             print(USAGE)
             print("config fields: key (type, " + ("recipe value" if cfg else "default") + "): help")
             print(help_text(cfg))

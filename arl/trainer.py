@@ -386,7 +386,7 @@ class PPOTrainer:
             )
             metrics.update(await self._node_gauges())
             self._trace_step(t0, t0 + t_rollout, t1, t2)
-            if cfg.evaluator.freq_steps and self.step % cfg.evaluator.freq_steps == 0:
+            if cfg.evaluator.due(self.step, total):
                 self.last_eval = (self.step, await self.evaluate())
                 metrics.update(self.last_eval[1])
             self.last_metrics = metrics

@@ -43,5 +43,7 @@ def cpu_preset(cfg: Config) -> None:
     cfg.data.batch_size = 2
     cfg.gconfig.n_samples = 4
     cfg.gconfig.max_new_tokens = 48
-    cfg.evaluator.freq_steps = 6  # once, after the last step
+    # Every 6 steps and after the last (arl.config.EvaluatorConfig.due): once for these 6 steps,
+    # and a run shortened with experiment.total_train_steps=N still ends with one.
+    cfg.evaluator.freq_steps = 6
     cfg.evaluator.max_questions = 16

@@ -79,6 +79,20 @@ def test_the_cpu_preset_follows_the_placement_plan_and_overrides_win():
     assert steps("cluster.n_gpus=0", "experiment.total_train_steps=7") == (7, 2)
 
 
+def test_overrides_may_come_before_the_recipe(tmp_path):
+    r = launch("actor.lr=1", "recipes/arith.py", "--dry-run", "cluster.n_gpus=0")
+    assert r.returncode == 0, r.stderr
+    cfg = from_yaml(_resolved_yaml(r.stdout))
+    assert (cfg.actor.lr, cfg.experiment.name) == (1.0, "arith-grpo")
+    # A recipe path need not end in .py when it names a file; overrides on both sides apply.
+    recipe = tmp_path / "arith_recipe"
+    recipe.write_text((REPO / "recipes" / "arith.py").read_text())
+    r = launch("actor.lr=2", str(recipe), "data.batch_size=3", "--dry-run", "cluster.n_gpus=0")
+    assert r.returncode == 0, r.stderr
+    cfg = from_yaml(_resolved_yaml(r.stdout))
+    assert (cfg.actor.lr, cfg.data.batch_size, cfg.experiment.name) == (2.0, 3, "arith-grpo")
+
+
 def test_recipes_import_no_torch():
     """--help RECIPE stays fast: importing a recipe (and the launcher) leaves torch unimported."""
     script = (
