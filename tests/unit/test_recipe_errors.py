@@ -1,6 +1,7 @@
 """A recipe that fails, in any way, ends the launcher in one error line naming the file, the
 line and the exception, exit 2, before any process starts (with ``--help RECIPE`` too)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,10 @@ def launch(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "arl.launch", *args],
         cwd=cwd,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        },
         capture_output=True,
         text=True,
         timeout=120,
