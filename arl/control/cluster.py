@@ -9,6 +9,7 @@ block ends every process it started, whatever the reason. Each mode is a `Launch
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
@@ -17,13 +18,20 @@ from typing import Protocol
 
 import attrs
 
-from arl.config import Config
-from arl.control.controller import Controller, NodeHandle
+from arl.config import Config, ConfigError
+from arl.control.controller import BindError, Controller, NodeHandle
 from arl.control.launcher import LocalNodes, SlurmNodes
-from arl.control.placement import NodeSpec
+from arl.control.placement import NodeSpec, check_node_count
 from arl.control.ray_launcher import RayNodes
 from arl.wire.addresses import is_loopback
-from arl.wire.sockets import SECRET_ENV, Security, new_secret, read_secret_file, routable_host
+from arl.wire.sockets import (
+    SECRET_ENV,
+    AuthError,
+    Security,
+    new_secret,
+    read_secret_file,
+    routable_host,
+)
 
 log = logging.getLogger("arl.cluster")
 
@@ -56,9 +64,13 @@ class Cluster:
 
 
 def run_security(cfg: Config) -> Security:
-    """The run secret: transport.secret_file, else $ARL_SECRET, else a fresh one."""
+    """The run secret: transport.secret_file, else $ARL_SECRET, else a fresh one; a secret file
+    that cannot be used is a `ConfigError` naming it."""
     if cfg.transport.secret_file:
-        secret = read_secret_file(cfg.transport.secret_file)
+        try:
+            secret = read_secret_file(cfg.transport.secret_file)
+        except (AuthError, OSError) as e:
+            raise ConfigError(f"transport.secret_file={cfg.transport.secret_file}: {e}") from None
     else:
         secret = os.environ.get(SECRET_ENV) or new_secret()
     return Security(secret, curve=cfg.transport.curve)
@@ -76,6 +88,26 @@ def node_env(spec: NodeSpec, cfg: Config, n_nodes: int = 1) -> dict[str, str]:
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     return env
+
+
+def _bind_problem(e: BindError) -> str:
+    """What to change when the controller cannot bind ``cluster.controller_host:port``."""
+    where = f"tcp://{e.host}:{e.port}"
+    if e.errno == errno.EADDRINUSE:
+        return (
+            f"cluster.controller_port={e.port}: {where} is already in use (another run or "
+            "program listens there); choose another port, or cluster.controller_port=0 to "
+            "pick a free one"
+        )
+    if e.errno == errno.EADDRNOTAVAIL:
+        return (
+            f"cluster.controller_host={e.host}: not an address of this machine ({e.strerror}); "
+            "use 127.0.0.1 for a run on one machine, or this host's own name or address"
+        )
+    return (
+        f"the controller cannot listen at {where} ({e.strerror}); check "
+        "cluster.controller_host and cluster.controller_port"
+    )
 
 
 class Launcher(Protocol):
@@ -235,6 +267,7 @@ async def start_cluster(
     cfg: Config, plan: list[NodeSpec], security: Security | None = None
 ) -> AsyncIterator[Cluster]:
     """Start (or attach to) the nodes of ``plan`` and yield them by role."""
+    check_node_count(cfg, plan)  # a plan made elsewhere (an embedding program) is checked too
     security = security or run_security(cfg)
     c = cfg.cluster
     names = [f"{s.role}{s.rank}" for s in plan]
@@ -243,24 +276,23 @@ async def start_cluster(
         stack.push_async_callback(launcher.close)  # last out: also after a failed prepare
         await launcher.prepare()
         host = launcher.controller_host(c.controller_host)
-        ctl = await stack.enter_async_context(
-            Controller(
-                security,
-                host=host,
-                port=c.controller_port,
-                heartbeat_interval=c.heartbeat_interval,
-                heartbeat_timeout=c.heartbeat_timeout,
-                max_message_bytes=cfg.transport.max_message_bytes,
-                inline_threshold=cfg.transport.inline_threshold_bytes,
-            )
+        controller = Controller(
+            security,
+            host=host,
+            port=c.controller_port,
+            heartbeat_interval=c.heartbeat_interval,
+            heartbeat_timeout=c.heartbeat_timeout,
+            max_message_bytes=cfg.transport.max_message_bytes,
+            inline_threshold=cfg.transport.inline_threshold_bytes,
         )
+        try:
+            ctl = await stack.enter_async_context(controller)
+        except BindError as e:
+            raise ConfigError(_bind_problem(e)) from None
         stack.push_async_callback(launcher.close)  # the nodes end while the controller is up
         await launcher.start(ctl.address)
         # Unwound before the launchers end the nodes: their exits then are expected, not losses.
         stack.callback(ctl.expect_exits)
-        n = c.n_nodes or len(plan)
-        if n < len(plan):
-            raise ValueError(f"cluster.n_nodes={n} but the placement plan needs {len(plan)} nodes")
         handles = await ctl.wait_for_nodes(len(plan), timeout=c.node_start_timeout)
         by_name = {h.node_id: h for h in handles}
         if set(names) <= set(by_name):

@@ -54,6 +54,15 @@ class NodeLost(RuntimeError):
         super().__init__(f"node {node} was lost{what}: {why or 'no heartbeat'}")
 
 
+class BindError(RuntimeError):
+    """The controller could not bind its address (the port is taken, or the host is not one of
+    this machine's addresses); ``errno`` and ``strerror`` say which."""
+
+    def __init__(self, host: str, port: int, err: zmq.ZMQError):
+        self.host, self.port, self.errno, self.strerror = host, port, err.errno, err.strerror
+        super().__init__(f"cannot bind tcp://{host}:{port}: {err.strerror}")
+
+
 class BadReply(RuntimeError):
     """A node's reply that does not have the shape its call promises (a bug or a hostile peer)."""
 
@@ -168,11 +177,11 @@ class Controller:
         try:
             self.address = bind_tcp(self.sock, self.host, self.port)
             self.auth.watch(self.sock)  # refused peers are logged with their address
-        except zmq.ZMQError:  # e.g. the port is taken: end the ZAP thread and the context
+        except zmq.ZMQError as e:  # e.g. the port is taken: end the ZAP thread and the context
             self.auth.stop()
             self.sock.close(0)
             self.ctx.term()
-            raise
+            raise BindError(self.host, self.port, e) from None
         self._tasks = [
             asyncio.create_task(self._recv_loop(), name="arl-controller-recv"),
             asyncio.create_task(self._heartbeat_loop(), name="arl-controller-hb"),
