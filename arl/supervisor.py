@@ -12,7 +12,7 @@ import sys
 
 from arl.ckpt.recovery import CheckpointError
 from arl.config import Config
-from arl.control.controller import NodeLost, RemoteError
+from arl.control.controller import NodeLost, NodesNotStarted, RemoteError
 from arl.control.placement import NodeSpec
 from arl.control.rollout import RolloutFailed
 from arl.event_loop import run_loop
@@ -33,7 +33,14 @@ def supervise(
         try:
             run_loop(run(cfg, plan, run_id=run_id, data=data))
             return 0
-        except (NodeLost, RolloutFailed, CallTimeout, RemoteError, CheckpointError) as e:
+        except (
+            NodesNotStarted,
+            NodeLost,
+            RolloutFailed,
+            CallTimeout,
+            RemoteError,
+            CheckpointError,
+        ) as e:
             # The cluster is down by now (every process of the attempt was ended).
             print(f"error: the run stopped: {e}", file=sys.stderr)
             if cfg.recover.mode != "auto":

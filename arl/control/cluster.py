@@ -64,15 +64,24 @@ class Cluster:
 
 
 def run_security(cfg: Config) -> Security:
-    """The run secret: transport.secret_file, else $ARL_SECRET, else a fresh one; a secret file
-    that cannot be used is a `ConfigError` naming it."""
+    """The run secret: transport.secret_file, else $ARL_SECRET, else a fresh one (not for
+    attach: its nodes could not know it); a secret file that cannot be used is a `ConfigError`
+    naming it."""
     if cfg.transport.secret_file:
         try:
             secret = read_secret_file(cfg.transport.secret_file)
         except (AuthError, OSError) as e:
             raise ConfigError(f"transport.secret_file={cfg.transport.secret_file}: {e}") from None
+    elif os.environ.get(SECRET_ENV):
+        secret = os.environ[SECRET_ENV]
+    elif cfg.cluster.launcher == "attach":
+        raise ConfigError(
+            "cluster.launcher=attach: the nodes started elsewhere must know the run secret, and "
+            "none is set; put one in a 0600 file F, set transport.secret_file=F and start the "
+            f"nodes with `arl-node ... --secret-file F` (or export ${SECRET_ENV} for both sides)"
+        )
     else:
-        secret = os.environ.get(SECRET_ENV) or new_secret()
+        secret = new_secret()
     return Security(secret, curve=cfg.transport.curve)
 
 
@@ -115,7 +124,9 @@ class Launcher(Protocol):
 
     `prepare` runs before the controller binds (Ray connects and reserves there, since Ray
     decides where the nodes run); `controller_host` is the address nodes can reach the
-    controller at; `start` starts the nodes, which then connect to ``controller``; `close` ends
+    controller at; `start` starts the nodes, which then connect to ``controller``; while the
+    run waits for them, `exited` names a started process that has ended (no node of it will
+    come) and `hint` says what to check when they do not come in time; `close` ends
     whatever `prepare` and `start` set up. `close` must be safe to call more than once: it runs
     while the controller is still up (the nodes end first) and again at the very end, which
     also covers a failed `prepare` or a controller that could not bind.
@@ -126,6 +137,10 @@ class Launcher(Protocol):
     def controller_host(self, host: str) -> str: ...
 
     async def start(self, controller: str) -> None: ...
+
+    def exited(self) -> str | None: ...
+
+    def hint(self, controller: str) -> str: ...
 
     async def close(self) -> None: ...
 
@@ -168,6 +183,12 @@ class _LocalLauncher:
         self.nodes = LocalNodes(controller, r.security, envs, node_ids=r.names, **r.command_kw)
         await self.nodes.__aenter__()
 
+    def exited(self) -> str | None:
+        return self.nodes.exited() if self.nodes is not None else None
+
+    def hint(self, controller: str) -> str:
+        return _SLOW_START
+
     async def close(self) -> None:
         if self.nodes is not None:
             await self.nodes.close()
@@ -196,6 +217,16 @@ class _SlurmLauncher:
             controller, r.security, len(r.plan), srun_args=srun_args, **r.command_kw
         )
         await self.nodes.__aenter__()
+
+    def exited(self) -> str | None:
+        return self.nodes.exited() if self.nodes is not None else None
+
+    def hint(self, controller: str) -> str:
+        return (
+            "srun may still wait for resources (`squeue --me`), or the nodes cannot reach "
+            f"{controller} (set cluster.controller_host to an address they can reach); "
+            + _SLOW_START
+        )
 
     async def close(self) -> None:
         if self.nodes is not None:
@@ -230,6 +261,12 @@ class _RayLauncher:
     async def start(self, controller: str) -> None:
         await self.nodes.start(controller)
 
+    def exited(self) -> str | None:
+        return self.nodes.ended  # the driver shows the daemon's own output (log_to_driver)
+
+    def hint(self, controller: str) -> str:
+        return f"the Ray hosts may not reach {controller}; " + _SLOW_START
+
     async def close(self) -> None:
         await self.nodes.close()
 
@@ -239,6 +276,8 @@ class _AttachLauncher:
 
     def __init__(self, req: LaunchRequest) -> None:
         self.n_nodes = len(req.plan)
+        self.secret_file = req.cfg.transport.secret_file
+        self.fixed_port = req.cfg.cluster.controller_port != 0
 
     async def prepare(self) -> None:
         pass
@@ -249,9 +288,26 @@ class _AttachLauncher:
     async def start(self, controller: str) -> None:
         log.warning("waiting for %d nodes to attach to %s", self.n_nodes, controller)
 
+    def exited(self) -> str | None:
+        return None  # nothing was started here
+
+    def hint(self, controller: str) -> str:
+        secret = (
+            f" --secret-file {self.secret_file}`" if self.secret_file else f"` with ${SECRET_ENV}"
+        )
+        how = (
+            f"start {self.n_nodes} with `arl-node --controller {controller}{secret} "
+            "(launch/arl.sbatch does it all)"
+        )
+        if not self.fixed_port:
+            how += "; cluster.controller_port=0 picks a new port each run: set a fixed one"
+        return how
+
     async def close(self) -> None:
         pass
 
+
+_SLOW_START = "on a loaded machine, raise cluster.node_start_timeout"
 
 # cluster.launcher -> the launcher class of that mode.
 LAUNCHERS: dict[str, Callable[[LaunchRequest], Launcher]] = {
@@ -293,7 +349,12 @@ async def start_cluster(
         await launcher.start(ctl.address)
         # Unwound before the launchers end the nodes: their exits then are expected, not losses.
         stack.callback(ctl.expect_exits)
-        handles = await ctl.wait_for_nodes(len(plan), timeout=c.node_start_timeout)
+        handles = await ctl.wait_for_nodes(
+            len(plan),
+            timeout=c.node_start_timeout,
+            stop_if=launcher.exited,
+            hint=launcher.hint(ctl.address),
+        )
         by_name = {h.node_id: h for h in handles}
         if set(names) <= set(by_name):
             placed = [PlacedNode(by_name[name], s) for name, s in zip(names, plan, strict=True)]

@@ -234,3 +234,22 @@ def test_a_controller_port_in_use_is_one_error_naming_it(tmp_path):
         "cluster.controller_port=0 to pick a free one"
     )
     assert "Traceback" not in r.stderr and "joined" not in r.stderr  # no node was started
+
+
+def test_no_node_attaching_is_one_error_saying_who_came_and_what_to_run(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret")
+    secret.chmod(0o600)
+    attach = ["recipes/arith.py", "cluster.launcher=attach", f"experiment.run_dir={tmp_path}"]
+    r = launch(*attach, "cluster.node_start_timeout=5", f"transport.secret_file={secret}")
+    assert r.returncode == 1, r.stderr[-2000:]  # a run that stopped, as `the run stopped` says
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert line.startswith("error: the run stopped: 0 of 2 nodes connected to tcp://127.0.0.1:")
+    assert " within 5s; start 2 with `arl-node --controller tcp://127.0.0.1:" in line
+    assert f" --secret-file {secret}` (launch/arl.sbatch does it all)" in line
+    assert "Traceback" not in r.stderr
+    # Without a secret the nodes could know, attaching cannot work: refused before the wait.
+    r = launch(*attach, "cluster.node_start_timeout=5")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.startswith("error: cluster.launcher=attach: the nodes started elsewhere must")
+    assert "waiting for" not in r.stderr
