@@ -16,6 +16,7 @@ from arl.control.controller import NodeLost, NodesNotStarted, RemoteError
 from arl.control.placement import NodeSpec
 from arl.control.rollout import RolloutFailed
 from arl.event_loop import run_loop
+from arl.protocol.errors import ErrorKind
 from arl.run import run
 from arl.trainer import CallTimeout
 
@@ -42,7 +43,7 @@ def supervise(
             CheckpointError,
         ) as e:
             # The cluster is down by now (every process of the attempt was ended).
-            print(f"error: the run stopped: {e}", file=sys.stderr)
+            print(f"error: the run stopped: {_described(e)}", file=sys.stderr)
             if cfg.recover.mode != "auto":
                 return 1
             if not recoverable(e):
@@ -65,6 +66,14 @@ def supervise(
                 f"at most {cfg.recover.retries})",
                 file=sys.stderr,
             )
+
+
+def _described(exc: BaseException) -> str:
+    """What the user reads: a classified remote failure (a server that did not start, a lost
+    peer) without the node's traceback, which only an unclassified one (a bug) needs."""
+    if isinstance(exc, RemoteError) and exc.kind is not ErrorKind.ERROR:
+        return exc.summary
+    return str(exc)
 
 
 def recoverable(exc: BaseException) -> bool:

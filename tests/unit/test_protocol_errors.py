@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from arl.engines.server import ServerExited
+from arl.engines.server import ServerExited, ServerStartError
 from arl.node.data_plane import OwnerLost, ShardUnavailable
 from arl.node.rollout import GroupTimeout
 from arl.protocol.errors import ErrorKind, RemoteError, error_payload, kind_of
@@ -29,6 +29,7 @@ def test_every_kind_has_a_unique_wire_name_a_meaning_and_a_flag() -> None:
     ("exc", "kind"),
     [
         (ServerExited("vllm exited"), ErrorKind.SERVER_EXITED),
+        (ServerStartError("vllm exited before it became healthy"), ErrorKind.SERVER_START),
         (GroupTimeout("too long"), ErrorKind.GROUP_TIMEOUT),
         (OwnerLost("rollout0", "g1", "closed the connection"), ErrorKind.PEER_LOST),
         (ShardUnavailable("rollout0", "g1", "not held (freed?)"), ErrorKind.ERROR),
