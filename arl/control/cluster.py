@@ -110,11 +110,11 @@ def _bind_problem(e: BindError) -> str:
         )
     if e.errno == errno.EADDRNOTAVAIL:
         return (
-            f"cluster.controller_host={e.host}: not an address of this machine ({e.strerror}); "
+            f"cluster.controller_host={e.host}: not an address of this machine ({e.reason}); "
             "use 127.0.0.1 for a run on one machine, or this host's own name or address"
         )
     return (
-        f"the controller cannot listen at {where} ({e.strerror}); check "
+        f"the controller cannot listen at {where} ({e.reason}); check "
         "cluster.controller_host and cluster.controller_port"
     )
 

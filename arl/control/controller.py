@@ -54,13 +54,13 @@ class NodeLost(RuntimeError):
         super().__init__(f"node {node} was lost{what}: {why or 'no heartbeat'}")
 
 
-class BindError(RuntimeError):
+class BindError(zmq.ZMQError):
     """The controller could not bind its address (the port is taken, or the host is not one of
-    this machine's addresses); ``errno`` and ``strerror`` say which."""
+    this machine's addresses); ``errno`` says which, ``reason`` in words."""
 
     def __init__(self, host: str, port: int, err: zmq.ZMQError):
-        self.host, self.port, self.errno, self.strerror = host, port, err.errno, err.strerror
-        super().__init__(f"cannot bind tcp://{host}:{port}: {err.strerror}")
+        super().__init__(err.errno, f"cannot bind tcp://{host}:{port}: {err.strerror}")
+        self.host, self.port, self.reason = host, port, err.strerror
 
 
 class NodesNotStarted(RuntimeError):

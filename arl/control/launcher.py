@@ -169,8 +169,7 @@ class LocalNodes:
     async def close(self) -> None:
         """End every node: SIGTERM to its process group, SIGKILL after the grace period."""
         await asyncio.gather(*(p.stop(self.grace) for p in self.procs))
-        for tail in self.tails:
-            await asyncio.to_thread(tail.close)
+        await asyncio.gather(*(asyncio.to_thread(t.close) for t in self.tails))
 
 
 class SlurmNodes:
