@@ -63,7 +63,9 @@ class ClusterConfig:
         "ray: place them as actors on a Ray cluster; attach: wait for externally started nodes "
         "(a program that drives the controller itself builds it: examples/embedded.py)",
     )
-    n_nodes: int | None = _f(None, "attach: how many nodes to wait for (none: from the plan)")
+    n_nodes: int | None = _f(
+        None, "nodes the run has; must equal the placement plan's count (none: the plan's)"
+    )
     controller_host: str = _f("127.0.0.1", "address the controller binds and nodes connect to")
     controller_port: int = _f(0, "controller port (0: pick a free port)")
     heartbeat_interval: float = _f(1.0, "seconds between heartbeats, both ways")

@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=cfg.experiment.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from arl.control.cluster import run_security
     from arl.engines.model import ModelResolutionError
     from arl.preflight import InputError, check_data, check_model
     from arl.run_dir import RunDirError, claim_run_dir, keep_previous
@@ -125,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     claim = None
     try:
         # Everything a user can get wrong is checked before any node starts or any file is
-        # written: the model and data, then the run directory (lock, earlier run, writability).
+        # written: the run secret, the model and data, then the run directory (lock, earlier
+        # run, writability).
+        run_security(cfg)
         check_model(cfg)
         data = check_data(cfg)  # loaded once: the run (and its restarts) use these rows
         claim = claim_run_dir(cfg)

@@ -12,10 +12,11 @@ import sys
 
 from arl.ckpt.recovery import CheckpointError
 from arl.config import Config
-from arl.control.controller import NodeLost, RemoteError
+from arl.control.controller import NodeLost, NodesNotStarted, RemoteError
 from arl.control.placement import NodeSpec
 from arl.control.rollout import RolloutFailed
 from arl.event_loop import run_loop
+from arl.protocol.errors import ErrorKind
 from arl.run import run
 from arl.trainer import CallTimeout
 
@@ -33,18 +34,25 @@ def supervise(
         try:
             run_loop(run(cfg, plan, run_id=run_id, data=data))
             return 0
-        except (NodeLost, RolloutFailed, CallTimeout, RemoteError, CheckpointError) as e:
+        except (
+            NodesNotStarted,
+            NodeLost,
+            RolloutFailed,
+            CallTimeout,
+            RemoteError,
+            CheckpointError,
+        ) as e:
             # The cluster is down by now (every process of the attempt was ended).
             why_not = _why_not_restart(cfg, e, restarts)
             if why_not is not None:
-                print(f"error: the run stopped: {e}", file=sys.stderr)
+                print(f"error: the run stopped: {_described(e)}", file=sys.stderr)
                 if why_not:
                     print(why_not, file=sys.stderr)
                 return 1
             restarts += 1
             print(
-                f"recovery: this attempt stopped: {e}\nrecovery: restarting the run from its last "
-                f"checkpoint (restart {restarts} of at most {cfg.recover.retries})",
+                f"recovery: this attempt stopped: {_described(e)}\nrecovery: restarting the run "
+                f"from its last checkpoint (restart {restarts} of at most {cfg.recover.retries})",
                 file=sys.stderr,
             )
 
@@ -64,6 +72,14 @@ def _why_not_restart(cfg: Config, exc: BaseException, restarts: int) -> str | No
             f"error: giving up after {restarts} restart(s) (recover.retries={cfg.recover.retries})"
         )
     return None
+
+
+def _described(exc: BaseException) -> str:
+    """What the user reads: a classified remote failure (a server that did not start, a lost
+    peer) without the node's traceback, which only an unclassified one (a bug) needs."""
+    if isinstance(exc, RemoteError) and exc.kind is not ErrorKind.ERROR:
+        return exc.summary
+    return str(exc)
 
 
 def recoverable(exc: BaseException) -> bool:

@@ -9,6 +9,7 @@ block ends every process it started, whatever the reason. Each mode is a `Launch
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
@@ -17,13 +18,20 @@ from typing import Protocol
 
 import attrs
 
-from arl.config import Config
-from arl.control.controller import Controller, NodeHandle
+from arl.config import Config, ConfigError
+from arl.control.controller import BindError, Controller, NodeHandle
 from arl.control.launcher import LocalNodes, SlurmNodes
-from arl.control.placement import NodeSpec
+from arl.control.placement import NodeSpec, check_node_count
 from arl.control.ray_launcher import RayNodes
 from arl.wire.addresses import is_loopback
-from arl.wire.sockets import SECRET_ENV, Security, new_secret, read_secret_file, routable_host
+from arl.wire.sockets import (
+    SECRET_ENV,
+    AuthError,
+    Security,
+    new_secret,
+    read_secret_file,
+    routable_host,
+)
 
 log = logging.getLogger("arl.cluster")
 
@@ -56,11 +64,24 @@ class Cluster:
 
 
 def run_security(cfg: Config) -> Security:
-    """The run secret: transport.secret_file, else $ARL_SECRET, else a fresh one."""
+    """The run secret: transport.secret_file, else $ARL_SECRET, else a fresh one (not for
+    attach: its nodes could not know it); a secret file that cannot be used is a `ConfigError`
+    naming it."""
     if cfg.transport.secret_file:
-        secret = read_secret_file(cfg.transport.secret_file)
+        try:
+            secret = read_secret_file(cfg.transport.secret_file)
+        except (AuthError, OSError) as e:
+            raise ConfigError(f"transport.secret_file={cfg.transport.secret_file}: {e}") from None
+    elif os.environ.get(SECRET_ENV):
+        secret = os.environ[SECRET_ENV]
+    elif cfg.cluster.launcher == "attach":
+        raise ConfigError(
+            "cluster.launcher=attach: the nodes started elsewhere must know the run secret, and "
+            "none is set; put one in a 0600 file F, set transport.secret_file=F and start the "
+            f"nodes with `arl-node ... --secret-file F` (or export ${SECRET_ENV} for both sides)"
+        )
     else:
-        secret = os.environ.get(SECRET_ENV) or new_secret()
+        secret = new_secret()
     return Security(secret, curve=cfg.transport.curve)
 
 
@@ -78,12 +99,34 @@ def node_env(spec: NodeSpec, cfg: Config, n_nodes: int = 1) -> dict[str, str]:
     return env
 
 
+def _bind_problem(e: BindError) -> str:
+    """What to change when the controller cannot bind ``cluster.controller_host:port``."""
+    where = f"tcp://{e.host}:{e.port}"
+    if e.errno == errno.EADDRINUSE:
+        return (
+            f"cluster.controller_port={e.port}: {where} is already in use (another run or "
+            "program listens there); choose another port, or cluster.controller_port=0 to "
+            "pick a free one"
+        )
+    if e.errno == errno.EADDRNOTAVAIL:
+        return (
+            f"cluster.controller_host={e.host}: not an address of this machine ({e.reason}); "
+            "use 127.0.0.1 for a run on one machine, or this host's own name or address"
+        )
+    return (
+        f"the controller cannot listen at {where} ({e.reason}); check "
+        "cluster.controller_host and cluster.controller_port"
+    )
+
+
 class Launcher(Protocol):
     """How one launch mode starts the nodes of a plan; `start_cluster` drives every mode alike.
 
     `prepare` runs before the controller binds (Ray connects and reserves there, since Ray
     decides where the nodes run); `controller_host` is the address nodes can reach the
-    controller at; `start` starts the nodes, which then connect to ``controller``; `close` ends
+    controller at; `start` starts the nodes, which then connect to ``controller``; while the
+    run waits for them, `exited` names a started process that has ended (no node of it will
+    come) and `hint` says what to check when they do not come in time; `close` ends
     whatever `prepare` and `start` set up. `close` must be safe to call more than once: it runs
     while the controller is still up (the nodes end first) and again at the very end, which
     also covers a failed `prepare` or a controller that could not bind.
@@ -94,6 +137,10 @@ class Launcher(Protocol):
     def controller_host(self, host: str) -> str: ...
 
     async def start(self, controller: str) -> None: ...
+
+    def exited(self) -> str | None: ...
+
+    def hint(self, controller: str) -> str: ...
 
     async def close(self) -> None: ...
 
@@ -136,6 +183,12 @@ class _LocalLauncher:
         self.nodes = LocalNodes(controller, r.security, envs, node_ids=r.names, **r.command_kw)
         await self.nodes.__aenter__()
 
+    def exited(self) -> str | None:
+        return self.nodes.exited() if self.nodes is not None else None
+
+    def hint(self, controller: str) -> str:
+        return _SLOW_START
+
     async def close(self) -> None:
         if self.nodes is not None:
             await self.nodes.close()
@@ -164,6 +217,16 @@ class _SlurmLauncher:
             controller, r.security, len(r.plan), srun_args=srun_args, **r.command_kw
         )
         await self.nodes.__aenter__()
+
+    def exited(self) -> str | None:
+        return self.nodes.exited() if self.nodes is not None else None
+
+    def hint(self, controller: str) -> str:
+        return (
+            "srun may still wait for resources (`squeue --me`), or the nodes cannot reach "
+            f"{controller} (set cluster.controller_host to an address they can reach); "
+            + _SLOW_START
+        )
 
     async def close(self) -> None:
         if self.nodes is not None:
@@ -198,6 +261,12 @@ class _RayLauncher:
     async def start(self, controller: str) -> None:
         await self.nodes.start(controller)
 
+    def exited(self) -> str | None:
+        return self.nodes.ended  # the driver shows the daemon's own output (log_to_driver)
+
+    def hint(self, controller: str) -> str:
+        return f"the Ray hosts may not reach {controller}; " + _SLOW_START
+
     async def close(self) -> None:
         await self.nodes.close()
 
@@ -207,6 +276,8 @@ class _AttachLauncher:
 
     def __init__(self, req: LaunchRequest) -> None:
         self.n_nodes = len(req.plan)
+        self.secret_file = req.cfg.transport.secret_file
+        self.fixed_port = req.cfg.cluster.controller_port != 0
 
     async def prepare(self) -> None:
         pass
@@ -217,9 +288,26 @@ class _AttachLauncher:
     async def start(self, controller: str) -> None:
         log.warning("waiting for %d nodes to attach to %s", self.n_nodes, controller)
 
+    def exited(self) -> str | None:
+        return None  # nothing was started here
+
+    def hint(self, controller: str) -> str:
+        secret = (
+            f" --secret-file {self.secret_file}`" if self.secret_file else f"` with ${SECRET_ENV}"
+        )
+        how = (
+            f"start {self.n_nodes} with `arl-node --controller {controller}{secret} "
+            "(launch/arl.sbatch does it all)"
+        )
+        if not self.fixed_port:
+            how += "; cluster.controller_port=0 picks a new port each run: set a fixed one"
+        return how
+
     async def close(self) -> None:
         pass
 
+
+_SLOW_START = "on a loaded machine, raise cluster.node_start_timeout"
 
 # cluster.launcher -> the launcher class of that mode.
 LAUNCHERS: dict[str, Callable[[LaunchRequest], Launcher]] = {
@@ -235,6 +323,7 @@ async def start_cluster(
     cfg: Config, plan: list[NodeSpec], security: Security | None = None
 ) -> AsyncIterator[Cluster]:
     """Start (or attach to) the nodes of ``plan`` and yield them by role."""
+    check_node_count(cfg, plan)  # a plan made elsewhere (an embedding program) is checked too
     security = security or run_security(cfg)
     c = cfg.cluster
     names = [f"{s.role}{s.rank}" for s in plan]
@@ -243,25 +332,29 @@ async def start_cluster(
         stack.push_async_callback(launcher.close)  # last out: also after a failed prepare
         await launcher.prepare()
         host = launcher.controller_host(c.controller_host)
-        ctl = await stack.enter_async_context(
-            Controller(
-                security,
-                host=host,
-                port=c.controller_port,
-                heartbeat_interval=c.heartbeat_interval,
-                heartbeat_timeout=c.heartbeat_timeout,
-                max_message_bytes=cfg.transport.max_message_bytes,
-                inline_threshold=cfg.transport.inline_threshold_bytes,
-            )
+        controller = Controller(
+            security,
+            host=host,
+            port=c.controller_port,
+            heartbeat_interval=c.heartbeat_interval,
+            heartbeat_timeout=c.heartbeat_timeout,
+            max_message_bytes=cfg.transport.max_message_bytes,
+            inline_threshold=cfg.transport.inline_threshold_bytes,
         )
+        try:
+            ctl = await stack.enter_async_context(controller)
+        except BindError as e:
+            raise ConfigError(_bind_problem(e)) from None
         stack.push_async_callback(launcher.close)  # the nodes end while the controller is up
         await launcher.start(ctl.address)
         # Unwound before the launchers end the nodes: their exits then are expected, not losses.
         stack.callback(ctl.expect_exits)
-        n = c.n_nodes or len(plan)
-        if n < len(plan):
-            raise ValueError(f"cluster.n_nodes={n} but the placement plan needs {len(plan)} nodes")
-        handles = await ctl.wait_for_nodes(len(plan), timeout=c.node_start_timeout)
+        handles = await ctl.wait_for_nodes(
+            len(plan),
+            timeout=c.node_start_timeout,
+            stop_if=launcher.exited,
+            hint=launcher.hint(ctl.address),
+        )
         by_name = {h.node_id: h for h in handles}
         if set(names) <= set(by_name):
             placed = [PlacedNode(by_name[name], s) for name, s in zip(names, plan, strict=True)]

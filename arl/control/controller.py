@@ -54,6 +54,20 @@ class NodeLost(RuntimeError):
         super().__init__(f"node {node} was lost{what}: {why or 'no heartbeat'}")
 
 
+class BindError(zmq.ZMQError):
+    """The controller could not bind its address (the port is taken, or the host is not one of
+    this machine's addresses); ``errno`` says which, ``reason`` in words."""
+
+    def __init__(self, host: str, port: int, err: zmq.ZMQError):
+        super().__init__(err.errno, f"cannot bind tcp://{host}:{port}: {err.strerror}")
+        self.host, self.port, self.reason = host, port, err.strerror
+
+
+class NodesNotStarted(RuntimeError):
+    """Fewer nodes than the run needs said hello: the wait timed out, or a process that was to
+    start them ended first. The message says how many came, from where, and what to do."""
+
+
 class BadReply(RuntimeError):
     """A node's reply that does not have the shape its call promises (a bug or a hostile peer)."""
 
@@ -168,11 +182,11 @@ class Controller:
         try:
             self.address = bind_tcp(self.sock, self.host, self.port)
             self.auth.watch(self.sock)  # refused peers are logged with their address
-        except zmq.ZMQError:  # e.g. the port is taken: end the ZAP thread and the context
+        except zmq.ZMQError as e:  # e.g. the port is taken: end the ZAP thread and the context
             self.auth.stop()
             self.sock.close(0)
             self.ctx.term()
-            raise
+            raise BindError(self.host, self.port, e) from None
         self._tasks = [
             asyncio.create_task(self._recv_loop(), name="arl-controller-recv"),
             asyncio.create_task(self._heartbeat_loop(), name="arl-controller-hb"),
@@ -206,22 +220,45 @@ class Controller:
         self._stopping = True
 
     # ---- nodes ------------------------------------------------------------------------------
-    async def wait_for_nodes(self, n: int, timeout: float = 60.0) -> list[NodeHandle]:
-        """Wait until ``n`` nodes said hello; returns them in arrival order."""
+    async def wait_for_nodes(
+        self,
+        n: int,
+        timeout: float = 60.0,
+        *,
+        stop_if: Callable[[], str | None] | None = None,
+        hint: str = "",
+    ) -> list[NodeHandle]:
+        """Wait until ``n`` nodes said hello; returns them in arrival order.
 
-        def enough() -> bool:
-            return len(self.live_nodes()) >= n
-
+        `NodesNotStarted` after ``timeout`` seconds, or as soon as ``stop_if()`` returns a
+        reason (a launched process exited: no node of it will come); ``hint`` ends its message.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         async with self._node_joined:
-            try:
-                await asyncio.wait_for(self._node_joined.wait_for(enough), timeout)
-            except TimeoutError:
-                raise TimeoutError(
-                    f"only {len(self.live_nodes())} of {n} nodes connected to {self.address} "
-                    f"within {timeout}s; check that the nodes were started with this address "
-                    f"and the run secret"
-                ) from None
+            while len(self.live_nodes()) < n:
+                why = stop_if() if stop_if is not None else None
+                left = deadline - loop.time()
+                if why or left <= 0:
+                    raise NodesNotStarted(self._shortfall(n, timeout, why, hint))
+                # Polled while a launched process may exit: it says no hello when it does.
+                wait_s = min(left, 0.25) if stop_if is not None else left
+                try:
+                    await asyncio.wait_for(self._node_joined.wait(), wait_s)
+                except TimeoutError:
+                    pass
         return self.live_nodes()[:n]
+
+    def _shortfall(self, n: int, timeout: float, exited: str | None, hint: str) -> str:
+        live = self.live_nodes()
+        came = ", ".join(f"{h.node_id} from {h.info.get('host', '?')}" for h in live)
+        head = f"{len(live)} of {n} nodes connected to {self.address}" + (
+            f" ({came})" if came else ""
+        )
+        if exited:  # its stderr lines say why; they end the message
+            return f"{head} before {exited}"
+        hint = hint or "check that the nodes were started with this address and the run secret"
+        return f"{head} within {timeout:g}s; {hint}"
 
     def live_nodes(self) -> list[NodeHandle]:
         """Nodes that said hello and are not lost, in arrival order."""

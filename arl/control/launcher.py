@@ -11,17 +11,22 @@
 
 Whatever starts them, the nodes are the same daemon and talk to the controller over arl's own
 sockets. The run secret reaches spawned nodes through the environment, never the command line.
+A started process's stderr passes on to the launcher's own (`StderrTail`), which keeps its last
+lines: ``exited()`` names a process that ended while the run waited for its nodes, with them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import logging
 import os
 import shutil
+import subprocess
 import sys
+import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import IO, Any
 
 from arl.process import OwnedProcess, spawn
 from arl.wire.sockets import SECRET_ENV, Security
@@ -55,6 +60,59 @@ def node_command(
     return cmd
 
 
+class StderrTail:
+    """Copies a child's stderr pipe to this process's stderr as it arrives and keeps its last
+    lines, for the error that reports the child's exit. A thread, not the event loop, reads the
+    pipe: a busy loop must never make a child block on a full pipe."""
+
+    def __init__(self, pipe: IO[bytes], name: str, keep_bytes: int = 16384):
+        self._pipe, self._keep = pipe, keep_bytes
+        self._tail = ""
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._pump, name=f"arl-stderr-{name}", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        try:
+            while chunk := self._pipe.read1(65536):  # type: ignore[attr-defined]
+                text = decoder.decode(chunk)
+                with self._lock:
+                    self._tail = (self._tail + text)[-self._keep :]
+                try:
+                    sys.stderr.write(text)
+                    sys.stderr.flush()
+                except (OSError, ValueError):
+                    pass  # our stderr is gone: keep draining, so the child never blocks
+        finally:
+            self._pipe.close()
+
+    def last_lines(self, n: int = 10, wait_s: float = 1.0) -> list[str]:
+        """The last ``n`` lines; waits up to ``wait_s`` for the rest of an ended child's output."""
+        self._thread.join(wait_s)
+        with self._lock:
+            return self._tail.splitlines()[-n:]
+
+    def close(self, wait_s: float = 5.0) -> None:
+        """Wait for the pipe's end (the child and everything holding the pipe are gone)."""
+        self._thread.join(wait_s)
+
+
+def exit_report(what: str, code: int, tail: StderrTail) -> str:
+    """``what`` ended with status ``code``, and its last stderr lines."""
+    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+    lines = tail.last_lines()
+    shown = "".join(f"\n  | {line}" for line in lines) if lines else " (it wrote nothing)"
+    return f"{what} {how}; the last lines of its stderr:{shown}"
+
+
+def _spawn_watched(
+    cmd: list[str], env: dict[str, str], name: str
+) -> tuple[OwnedProcess, StderrTail]:
+    proc = spawn(cmd, env=env, stderr=subprocess.PIPE)
+    return proc, StderrTail(proc.popen.stderr, name)  # type: ignore[arg-type]
+
+
 class LocalNodes:
     """Spawn ``n`` node processes on this machine; an async context manager that ends them."""
 
@@ -74,6 +132,7 @@ class LocalNodes:
         self.grace = grace
         self.command_kw = command_kw
         self.procs: list[OwnedProcess] = []
+        self.tails: list[StderrTail] = []
 
     async def __aenter__(self) -> LocalNodes:
         try:
@@ -82,7 +141,9 @@ class LocalNodes:
                 cmd = node_command(
                     self.controller, node_id=node_id, curve=self.security.curve, **self.command_kw
                 )
-                self.procs.append(spawn(cmd, env=env))
+                proc, tail = _spawn_watched(cmd, env, node_id)
+                self.procs.append(proc)
+                self.tails.append(tail)
         except BaseException:
             await self.close()
             raise
@@ -96,9 +157,19 @@ class LocalNodes:
         """Process ids of the spawned nodes."""
         return [p.pid for p in self.procs]
 
+    def exited(self) -> str | None:
+        """The first node process that has ended, with its exit status and last stderr lines;
+        None while all of them run."""
+        for node_id, proc, tail in zip(self.node_ids, self.procs, self.tails, strict=False):
+            code = proc.returncode
+            if code is not None:
+                return exit_report(f"node process {node_id} (pid {proc.pid})", code, tail)
+        return None
+
     async def close(self) -> None:
         """End every node: SIGTERM to its process group, SIGKILL after the grace period."""
         await asyncio.gather(*(p.stop(self.grace) for p in self.procs))
+        await asyncio.gather(*(asyncio.to_thread(t.close) for t in self.tails))
 
 
 class SlurmNodes:
@@ -122,6 +193,7 @@ class SlurmNodes:
         self.controller, self.security, self.n_nodes = controller, security, n_nodes
         self.srun_args, self.grace, self.command_kw = list(srun_args), grace, command_kw
         self.proc: OwnedProcess | None = None
+        self.tail: StderrTail | None = None
 
     async def __aenter__(self) -> SlurmNodes:
         node_cmd = node_command(self.controller, curve=self.security.curve, **self.command_kw)
@@ -133,9 +205,18 @@ class SlurmNodes:
             *node_cmd,
         ]
         env = {**os.environ, SECRET_ENV: self.security.secret}
-        self.proc = spawn(cmd, env=env)
+        self.proc, self.tail = _spawn_watched(cmd, env, "srun")
         return self
+
+    def exited(self) -> str | None:
+        """The srun step, with its exit status and last stderr lines, once it has ended (srun
+        exits at once when Slurm refuses the allocation); None while it runs."""
+        if self.proc is None or self.tail is None or self.proc.returncode is None:
+            return None
+        return exit_report(f"srun (pid {self.proc.pid})", self.proc.returncode, self.tail)
 
     async def __aexit__(self, *exc: Any) -> None:
         if self.proc is not None:
             await self.proc.stop(self.grace)
+        if self.tail is not None:
+            await asyncio.to_thread(self.tail.close)

@@ -6,6 +6,7 @@ ones, training the next. When there are too few GPUs for both but enough for the
 both groups share the same GPUs (``colocated``). Without GPUs every node runs on the CPU.
 """
 
+import os
 from typing import Literal
 
 import attrs
@@ -34,12 +35,29 @@ class NodeSpec:
 
 
 def detect_gpus(cfg: Config) -> int:
-    """GPUs to place nodes on: cluster.n_gpus, or what torch sees."""
-    if cfg.cluster.n_gpus is not None:
-        return cfg.cluster.n_gpus
+    """GPUs to place nodes on: cluster.n_gpus, or what torch sees.
+
+    The local launcher starts every node on this host, so it refuses more GPUs than torch sees
+    here; the other launchers' nodes may run on other hosts, so their count is taken as given.
+    """
+    n_gpus = cfg.cluster.n_gpus
+    if n_gpus is not None and (n_gpus == 0 or cfg.cluster.launcher != "local"):
+        return n_gpus
     import torch  # imported only here: it is slow to import and --help should not wait for it
 
-    return torch.cuda.device_count()
+    found = torch.cuda.device_count()
+    if n_gpus is None:
+        return found
+    if n_gpus > found:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        seen = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        fix = f"cluster.n_gpus={found} or fewer" if found else "cluster.n_gpus=0 to run on CPU"
+        raise ConfigError(
+            f"cluster.n_gpus={n_gpus}, but torch sees {found} GPU{'s' * (found != 1)} on this "
+            f"host{seen} and cluster.launcher=local starts every node here; set {fix}, or "
+            "leave cluster.n_gpus unset to use the GPUs torch sees"
+        )
+    return n_gpus
 
 
 def place(cfg: Config) -> list[NodeSpec]:
@@ -51,7 +69,24 @@ def plan_placement(cfg: Config, n_gpus: int) -> list[NodeSpec]:
     """Place the rollout replicas and train ranks of ``cfg`` on ``n_gpus`` GPUs (0: CPU only)."""
     plan = _place(cfg, n_gpus)
     check_weight_sync(cfg.weight_sync.mode, plan)  # the mode refuses a plan it cannot run on
+    check_node_count(cfg, plan)
     return plan
+
+
+def check_node_count(cfg: Config, plan: list[NodeSpec]) -> None:
+    """Refuse a ``cluster.n_nodes`` other than the plan's node count (the run starts, or waits
+    for, exactly the plan's nodes; a job script that starts another number would not fit)."""
+    n_nodes = cfg.cluster.n_nodes
+    if n_nodes is None or n_nodes == len(plan):
+        return
+    roles = {r: sum(n.role == r for n in plan) for r in ("rollout", "train")}
+    raise ConfigError(
+        f"cluster.n_nodes={n_nodes}, but the placement plan has {len(plan)} nodes "
+        f"({roles['rollout']} rollout from rollout.backend={cfg.rollout.backend}, "
+        f"{roles['train']} train from actor.backend={cfg.actor.backend}); set "
+        f"cluster.n_nodes={len(plan)} (or none: the plan's count), or change the d/t in the "
+        "backend strings"
+    )
 
 
 def _place(cfg: Config, n_gpus: int) -> list[NodeSpec]:

@@ -180,6 +180,7 @@ class RayNodes:
         self._pg: Any = None
         self._watchers: list[asyncio.Task] = []
         self._closing = False
+        self.ended: str | None = None  # the first node that ended while the run needed it
 
     def bundles(self) -> list[dict[str, float]]:
         """One resource bundle per node, in plan order."""
@@ -327,9 +328,11 @@ class RayNodes:
             if not self._closing:
                 why = str(e).splitlines()[0] if str(e) else type(e).__name__
                 log.error("node %s: its Ray actor died (%s); its daemon dies with it", node_id, why)
+                self.ended = self.ended or f"the Ray actor of node {node_id} died ({why})"
             return
         if not self._closing:
             log.warning("node %s: its daemon exited with status %s", node_id, rc)
+            self.ended = self.ended or f"node {node_id}'s daemon exited with status {rc}"
 
     async def close(self) -> None:
         """Stop every daemon, kill every actor, remove the placement group, leave Ray."""

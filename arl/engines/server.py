@@ -52,6 +52,8 @@ class ServerError(RuntimeError):
 class ServerStartError(ServerError):
     """The server exited or did not become healthy in time; the message ends with its log."""
 
+    error_kind = ErrorKind.SERVER_START
+
 
 class ServerExited(ServerError):
     """The inference server exited while its engine was in use (killed, crashed, out of memory).

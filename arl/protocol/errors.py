@@ -24,6 +24,13 @@ class ErrorKind(enum.Enum):
         "leaves, and a fresh cluster starts a new server",
         True,
     )
+    SERVER_START = (
+        "server_start",
+        "the node's inference server did not start (not installed, a bad argument, too little "
+        "memory, too slow); its log's last lines in the message say why, and the same config "
+        "would fail again",
+        False,
+    )
     PEER_LOST = (
         "peer_lost",
         "a node this node pulled data from is gone: it closed its connection (died or "
@@ -99,6 +106,12 @@ class RemoteError(RuntimeError):
         super().__init__(
             f"{type_name} on node {node} in {method}: {message}\n--- remote traceback ---\n{tb}"
         )
+
+    @property
+    def summary(self) -> str:
+        """The failure without the remote traceback: for a classified kind (not `ERROR`), whose
+        message says what happened, the traceback only shows the node's internals."""
+        return f"{self.type_name} on node {self.node} in {self.method}: {self.remote_message}"
 
     @property
     def recoverable(self) -> bool:

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -87,3 +88,30 @@ def test_slurm_launcher_starts_nodes_with_srun():
             assert nodes.proc.returncode is not None  # the step was ended with the block
 
     asyncio.run(main())
+
+
+def test_srun_refused_by_slurm_ends_the_launch_at_once_with_its_stderr(tmp_path):
+    """srun exits at once when Slurm refuses the step (here: a partition that does not exist;
+    outside a cluster: no controller to ask): the launch reports srun's exit and its own
+    error lines instead of waiting cluster.node_start_timeout."""
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "arl.launch",
+            "recipes/arith.py",
+            "cluster.launcher=slurm",
+            "cluster.srun_args=[--partition=arl-no-such-partition]",
+            "cluster.node_start_timeout=3600",
+            f"experiment.run_dir={tmp_path}",
+        ],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "error: the run stopped: 0 of 2 nodes connected to tcp://" in r.stderr
+    assert " before srun (pid " in r.stderr and "exited with code " in r.stderr
+    assert "  | srun: error: " in r.stderr  # srun's own words, in the error
+    assert "Traceback" not in r.stderr

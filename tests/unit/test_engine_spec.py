@@ -42,7 +42,7 @@ def _dry_run(*args: str) -> subprocess.CompletedProcess:
     ("engine", "flag"), [("vllm", "--tensor-parallel-size 2"), ("sglang", "--tp-size 2")]
 )
 def test_dry_run_prints_the_server_command_with_the_tensor_parallel_size(engine, flag):
-    out = _dry_run(f"rollout.backend={engine}:d1t2", "cluster.n_gpus=3")
+    out = _dry_run(f"rollout.backend={engine}:d1t2", "cluster.n_gpus=3", "cluster.launcher=slurm")
     assert out.returncode == 0, out.stderr
     (line,) = [ln for ln in out.stdout.splitlines() if ln.startswith("node 0: ")]
     assert flag in line

@@ -1,5 +1,6 @@
 """``python -m arl.launch`` as a user runs it: exit codes, output, errors without tracebacks."""
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,7 @@ def test_dry_run_plan_follows_backend_overrides():
         "rollout.backend=sglang:d2t2",
         "actor.backend=fsdp:d4",
         "cluster.n_gpus=8",
+        "cluster.launcher=slurm",  # the plan of an allocation's GPUs, not this host's
         "data.batch_size=8",  # the recipe's CPU batch (2) is fewer groups than 4 train ranks
     )
     assert r.returncode == 0, r.stderr
@@ -75,7 +77,8 @@ def test_the_cpu_preset_follows_the_placement_plan_and_overrides_win():
         return cfg.experiment.total_train_steps, cfg.data.batch_size
 
     assert steps("cluster.n_gpus=0") == (6, 2)  # no GPU in the plan: recipes/arith.py cpu_preset
-    assert steps("cluster.n_gpus=1") == (20, 16)  # a GPU in the plan: make_config as written
+    # A GPU in the plan: make_config as written (slurm: the GPUs need not be this host's).
+    assert steps("cluster.n_gpus=1", "cluster.launcher=slurm") == (20, 16)
     assert steps("cluster.n_gpus=0", "experiment.total_train_steps=7") == (7, 2)
 
 
@@ -127,7 +130,13 @@ def test_wrong_type_and_invalid_value_exit_2():
 def test_unsupported_backend_and_too_few_gpus_exit_2():
     r = launch("recipes/gsm8k.py", "--dry-run", "rollout.backend=hf:t2")
     assert r.returncode == 2 and "hf supports only data parallelism" in r.stderr
-    r = launch("recipes/gsm8k.py", "--dry-run", "rollout.backend=vllm:d4", "cluster.n_gpus=2")
+    r = launch(
+        "recipes/gsm8k.py",
+        "--dry-run",
+        "rollout.backend=vllm:d4",
+        "cluster.n_gpus=2",
+        "cluster.launcher=slurm",
+    )
     assert r.returncode == 2 and "not enough GPUs" in r.stderr
     assert "Traceback" not in r.stderr
 
@@ -170,3 +179,91 @@ def test_missing_data_is_refused_before_any_node_starts(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.startswith("error: data.path=") and f"no train.jsonl in {tmp_path}" in r.stderr
     assert "joined" not in r.stderr and "Traceback" not in r.stderr  # no node was started
+
+
+def test_more_gpus_than_this_host_has_are_refused_for_the_local_launcher():
+    import torch
+
+    n = torch.cuda.device_count() + 1
+    r = launch("recipes/arith.py", "--dry-run", f"cluster.n_gpus={n}")
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    assert r.stderr.startswith(f"error: cluster.n_gpus={n}, but torch sees {n - 1} GPU")
+    assert "cluster.launcher=local starts every node here; set cluster.n_gpus=" in r.stderr
+    assert "Traceback" not in r.stderr
+    # Nodes started by srun (or attached, or Ray's) may run on hosts that have the GPUs.
+    for launcher in ("slurm", "attach"):
+        r = launch(
+            "recipes/arith.py", "--dry-run", f"cluster.n_gpus={n}", f"cluster.launcher={launcher}"
+        )
+        assert r.returncode == 0, r.stderr
+        assert f"on {n} GPU" in r.stdout
+
+
+def test_n_nodes_other_than_the_plan_is_refused_before_any_node_starts():
+    for n in (1, 3):  # the plan (hf:d1 + fsdp:d1) has 2 nodes
+        r = launch("recipes/arith.py", "--dry-run", "cluster.n_gpus=0", f"cluster.n_nodes={n}")
+        assert r.returncode == 2 and r.stdout == "", r.stderr
+        assert r.stderr.startswith(
+            f"error: cluster.n_nodes={n}, but the placement plan has 2 nodes (1 rollout from "
+            "rollout.backend=hf:d1, 1 train from actor.backend=fsdp:d1); set cluster.n_nodes=2"
+        ), r.stderr
+        assert "Traceback" not in r.stderr
+    r = launch("recipes/arith.py", "--dry-run", "cluster.n_gpus=0", "cluster.n_nodes=2")
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_secret_file_that_cannot_be_used_is_refused_before_anything_is_written(tmp_path):
+    runs = tmp_path / "runs"
+    missing = tmp_path / "nonexistent"
+    r = launch("recipes/arith.py", f"transport.secret_file={missing}", f"experiment.run_dir={runs}")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.startswith(f"error: transport.secret_file={missing}: secret file ")
+    assert "does not exist; create it with mode 0600" in r.stderr
+    assert "Traceback" not in r.stderr and not runs.exists()  # no config.yaml, no run dir
+    readable = tmp_path / "secret"
+    readable.write_text("s3cret")
+    readable.chmod(0o644)
+    r = launch(
+        "recipes/arith.py", f"transport.secret_file={readable}", f"experiment.run_dir={runs}"
+    )
+    assert r.returncode == 2 and f"run `chmod 600 {readable}`" in r.stderr, r.stderr[-2000:]
+    assert not runs.exists()
+
+
+def test_a_controller_port_in_use_is_one_error_naming_it(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = launch(
+            "recipes/arith.py",
+            f"cluster.controller_port={port}",
+            f"experiment.run_dir={tmp_path}",
+        )
+    assert r.returncode == 2, r.stderr[-2000:]
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert line == (
+        f"error: cluster.controller_port={port}: tcp://127.0.0.1:{port} is already in use "
+        "(another run or program listens there); choose another port, or "
+        "cluster.controller_port=0 to pick a free one"
+    )
+    assert "Traceback" not in r.stderr and "joined" not in r.stderr  # no node was started
+
+
+def test_no_node_attaching_is_one_error_saying_who_came_and_what_to_run(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret")
+    secret.chmod(0o600)
+    attach = ["recipes/arith.py", "cluster.launcher=attach", f"experiment.run_dir={tmp_path}"]
+    r = launch(*attach, "cluster.node_start_timeout=5", f"transport.secret_file={secret}")
+    assert r.returncode == 1, r.stderr[-2000:]  # a run that stopped, as `the run stopped` says
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert line.startswith("error: the run stopped: 0 of 2 nodes connected to tcp://127.0.0.1:")
+    assert " within 5s; start 2 with `arl-node --controller tcp://127.0.0.1:" in line
+    assert f" --secret-file {secret}` (launch/arl.sbatch does it all)" in line
+    assert "Traceback" not in r.stderr
+    # Without a secret the nodes could know, attaching cannot work: refused before the wait.
+    r = launch(*attach, "cluster.node_start_timeout=5")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.startswith("error: cluster.launcher=attach: the nodes started elsewhere must")
+    assert "waiting for" not in r.stderr

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from arl.engines.server import ServerExited
+from arl.engines.server import ServerExited, ServerStartError
 from arl.node.data_plane import OwnerLost, ShardUnavailable
 from arl.node.rollout import GroupTimeout
 from arl.protocol.errors import ErrorKind, RemoteError, error_payload, kind_of
 from arl.protocol.imports import ImportRefused
 from arl.protocol.rtensor import RTensorError
-from arl.supervisor import recoverable
+from arl.supervisor import _described, recoverable
 from arl.wire.codec import WireError
 
 
@@ -29,6 +29,7 @@ def test_every_kind_has_a_unique_wire_name_a_meaning_and_a_flag() -> None:
     ("exc", "kind"),
     [
         (ServerExited("vllm exited"), ErrorKind.SERVER_EXITED),
+        (ServerStartError("vllm exited before it became healthy"), ErrorKind.SERVER_START),
         (GroupTimeout("too long"), ErrorKind.GROUP_TIMEOUT),
         (OwnerLost("rollout0", "g1", "closed the connection"), ErrorKind.PEER_LOST),
         (ShardUnavailable("rollout0", "g1", "not held (freed?)"), ErrorKind.ERROR),
@@ -76,3 +77,14 @@ def test_a_pull_from_a_dead_owner_is_worth_a_restart_and_a_missing_shard_is_not(
     assert recoverable(RemoteError.from_payload("train0", "train.ppo_update", lost))
     freed = error_payload(ShardUnavailable("rollout0", "g1", "not held by this node"))
     assert not recoverable(RemoteError.from_payload("train0", "train.ppo_update", freed))
+
+
+def test_a_classified_failure_is_reported_without_the_remote_traceback():
+    payload = error_payload(ServerStartError("vllm exited with code 1 before it became healthy"))
+    started = RemoteError.from_payload("rollout0", "rollout.setup", payload)
+    assert _described(started) == (
+        "ServerStartError on node rollout0 in rollout.setup: vllm exited with code 1 before it "
+        "became healthy"
+    )
+    bug = RemoteError.from_payload("rollout0", "rollout.setup", error_payload(ValueError("x")))
+    assert "\n--- remote traceback ---\n" in _described(bug)  # a bug keeps where it was
