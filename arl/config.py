@@ -542,34 +542,73 @@ def _type_problem(value: Any, tp: Any) -> str:
             return why
         return f"expected {_type_name(tp)}"
     if origin in (list, tuple):
-        if not isinstance(value, origin):  # a str would otherwise pass as a list of letters
-            return f"expected {_type_name(tp)}"
+        # Either sequence is taken (saved as a list); a str would pass as a list of letters.
+        if type(value) not in (list, tuple):
+            return f"expected {_type_name(tp)}, got {_got(value)}"
         item = args[0]
-        if any(_type_problem(v, item) for v in value):
-            return f"expected {_type_name(tp)}"
+        bad = [v for v in value if _type_problem(v, item)]
+        if bad:
+            return f"expected {_type_name(tp)}, got an item {_show(bad[0])} ({_got(bad[0])})"
         return ""
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            return "expected float"
-        try:
-            finite = math.isfinite(value)
-        except OverflowError:  # an int beyond every float
-            finite = False
-        # No float field takes infinity: a limit that can be off is `float | None` instead.
-        return "" if finite else "must be a finite number"
+        # Exact types: a subclass (numpy.float64) would pass here and then fail to save.
+        if type(value) not in (int, float):
+            return f"expected float, got {_got(value)}"
+        if isinstance(value, float) and math.isnan(value):
+            return "must be a number, not nan"
+        return ""
     if tp in (int, str, bool):
-        ok = isinstance(value, tp) and (tp is bool or not isinstance(value, bool))
-        return "" if ok else f"expected {tp.__name__}"
+        return "" if type(value) is tp else f"expected {tp.__name__}, got {_got(value)}"
     if attrs.has(tp):
         return "" if isinstance(value, tp) else f"expected a section of type {tp.__name__}"
     return ""  # pragma: no cover - every field type is above
 
 
+def _got(value: Any) -> str:
+    """The type of a refused value, as a user would write it (``numpy.int64``, ``str``)."""
+    t = type(value)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+# Float fields where infinity means "no limit" (a timeout, a clip); every other one must be a
+# finite number, and none may be nan.
+_INF_MEANS_NO_LIMIT = frozenset(
+    {
+        "cluster.heartbeat_timeout",
+        "cluster.node_start_timeout",
+        "cluster.ray_placement_timeout",
+        "rollout.server_start_timeout",
+        "rollout.group_timeout",
+        "rollout.stall_log_s",
+        "actor.call_timeout",
+        "actor.grad_clip",
+        "actor.eps_clip_higher",
+        "actor.c_clip",
+        "actor.reward_clip",
+        "actor.behav_imp_weight_cap",
+    }
+)
+
+
+def _finite_problem(key: str, value: Any) -> str:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return ""
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int beyond every float
+        finite = False
+    if finite or (key in _INF_MEANS_NO_LIMIT and value > 0):
+        return ""
+    return "must be a finite number"
+
+
 def type_problems(cfg: Config) -> list[str]:
     """Every field whose value does not fit its annotation, as ``key=value: expected TYPE``.
 
-    Ints are not bools, floats accept ints and must be finite, lists hold items of their type,
-    and each section must be its attrs class (its fields are not looked at otherwise).
+    Types are exact (a bool is not an int, numpy.float64 is not a float), floats accept ints
+    and must be finite except where infinity means no limit (`_INF_MEANS_NO_LIMIT`), lists
+    and tuples hold items of their type, and each section must be its attrs class (its fields
+    are not looked at otherwise).
     """
     problems: list[str] = []
     for section in attrs.fields(Config):
@@ -581,6 +620,8 @@ def type_problems(cfg: Config) -> list[str]:
         for field in attrs.fields(section.type):
             v = getattr(value, field.name)
             why = _type_problem(v, field.type)
+            if not why and (field.type is float or field.type == float | None):
+                why = _finite_problem(f"{section.name}.{field.name}", v)
             if why:
                 problems.append(f"{section.name}.{field.name}={_show(v)}: {why}")
     return problems

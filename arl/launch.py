@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from arl.config import Config, ConfigError, apply_overrides, help_text, save_resolved, to_yaml
@@ -64,11 +65,24 @@ _OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=")
 
 def _find_recipe(positional: list[str]) -> str | None:
     """The recipe among the positional arguments, wherever it stands among the overrides: the
-    first that is not ``key=value`` and ends in .py or names a file, else the first that is not
-    ``key=value`` (refused then as not found), else None."""
+    first that names a file, else the first that is not ``key=value`` and ends in .py, else the
+    first that is not ``key=value`` (refused then as not found), else None."""
+    files = [a for a in positional if os.path.isfile(a)]  # even one named like lr=1e-5.py
     candidates = [a for a in positional if not _OVERRIDE.match(a)]
-    named = [a for a in candidates if a.endswith(".py") or os.path.isfile(a)]
-    return (named or candidates or [None])[0]
+    named = [a for a in candidates if a.endswith(".py")]
+    return (files or named or candidates or [None])[0]
+
+
+def _share_recipe_folder(recipe: str) -> None:
+    """Put the recipe's folder on this process's import path and on the nodes' (``PYTHONPATH``,
+    which local and srun-started nodes inherit), as ``python recipe.py`` would: a reward or
+    workflow module beside the recipe then imports on every side, not only in the launcher."""
+    folder = str(Path(recipe).resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if folder not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([folder, *paths])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = list(positional)
     if recipe is not None:
         overrides.remove(recipe)  # its first occurrence, which is the one chosen
+    if recipe is not None and os.path.isfile(recipe):
+        _share_recipe_folder(recipe)
     try:
         if flags & {"--help", "-h"}:
             cfg = load_recipe(recipe) if recipe else None

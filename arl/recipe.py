@@ -4,7 +4,8 @@
 runs its preset. They refuse a file that is missing, cannot be imported, raises or exits while
 it runs, or builds something other than a `Config`, with one `ConfigError` naming the file, the
 line and the exception. The recipe's folder is first on ``sys.path`` while its code runs, as
-with ``python path/to/recipe.py``, so a recipe can import a module beside it.
+with ``python path/to/recipe.py``, so a recipe can import a module beside it; `arl.launch` keeps
+it there, and on the nodes' ``PYTHONPATH``, for the whole run.
 """
 
 import contextlib
@@ -33,7 +34,14 @@ def import_recipe(path: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, file, loader=loader)
     assert spec is not None  # given a loader, a spec is always made
     module = importlib.util.module_from_spec(spec)
-    _run(path, spec.loader.exec_module, module)
+    # Registered while it runs, as `python FILE` registers __main__: dataclasses and pickle
+    # look a class's module up there.
+    sys.modules[name] = module
+    try:
+        _run(path, spec.loader.exec_module, module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
     if not callable(getattr(module, "make_config", None)):
         raise ConfigError(f"recipe {path!r} defines no make_config() function returning a Config")
     return module
@@ -76,7 +84,7 @@ def _run(path: str, fn: Callable[..., Any], *args: Any) -> Any:
             ) from None
         except BaseException as e:
             where = f"recipe {path}{_line(file, e)}"
-            raise ConfigError(f"{where} raised {_describe(file, e)}") from None
+            raise ConfigError(f"{where} raised {_describe(file, e)}{_raised_at(file, e)}") from None
 
 
 def _line(file: Path, e: BaseException) -> str:
@@ -87,6 +95,15 @@ def _line(file: Path, e: BaseException) -> str:
     tb = traceback.extract_tb(e.__traceback__)
     frames = [f for f in tb if Path(f.filename).resolve() == here]
     return f" line {frames[-1].lineno}" if frames else ""
+
+
+def _raised_at(file: Path, e: BaseException) -> str:
+    """`` (raised at FILE:LINE)`` when ``e`` was raised outside the recipe (a module it
+    imports, a library), else ""."""
+    tb = traceback.extract_tb(e.__traceback__)
+    if not tb or Path(tb[-1].filename).resolve() == file.resolve():
+        return ""
+    return f" (raised at {tb[-1].filename}:{tb[-1].lineno})"
 
 
 def _describe(file: Path, e: BaseException) -> str:

@@ -86,7 +86,7 @@ def test_fields_of_a_replaced_section_are_not_looked_at():
     msg = _problems(actor=None, data__batch_size=2.5)
     assert msg.splitlines()[1:] == [
         "  actor=none: expected a section of type ActorConfig",
-        "  data.batch_size=2.5: expected int",
+        "  data.batch_size=2.5: expected int, got float",
     ]
 
 
@@ -97,20 +97,40 @@ def test_an_override_on_a_replaced_section_is_a_config_error():
 
 
 @pytest.mark.parametrize(
-    ("key", "value"),
+    ("key", "value", "why"),
     [
-        ("actor.lr", math.inf),
-        ("actor.lr", -math.inf),
-        ("gconfig.temperature", math.nan),
-        ("actor.eps_clip_higher", math.nan),  # float | None
-        ("rollout.group_timeout", math.inf),  # no limit is none, not inf
-        ("cluster.heartbeat_timeout", math.inf),
-        ("actor.grad_clip", 10**400),  # an int no float can hold
+        ("actor.lr", math.inf, "must be a finite number"),
+        ("actor.lr", -math.inf, "must be a finite number"),
+        ("actor.reward_clip", -math.inf, "must be a finite number"),  # inf: unclipped; -inf no
+        ("actor.lr", 10**400, "must be a finite number"),  # an int no float can hold
+        ("gconfig.temperature", math.nan, "must be a number, not nan"),
+        ("actor.eps_clip_higher", math.nan, "must be a number, not nan"),  # float | None
+        ("cluster.heartbeat_timeout", math.nan, "must be a number, not nan"),
     ],
 )
-def test_non_finite_floats_are_refused(key, value):
+def test_non_finite_floats_are_refused(key, value, why):
     msg = _problems(**{key.replace(".", "__"): value})
-    assert f"{key}={value}: must be a finite number" in msg
+    assert f"{key}={value}: {why}" in msg
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["cluster.heartbeat_timeout", "cluster.node_start_timeout", "rollout.group_timeout"]
+    + ["actor.grad_clip", "actor.reward_clip", "actor.call_timeout"],
+)
+def test_infinity_is_no_limit_where_a_limit_may_be_off(key):
+    cfg = _set(Config(), key, math.inf)
+    assert type_problems(cfg) == []
+    cfg.validate()
+    assert type_problems(from_yaml(to_yaml(cfg))) == []
+
+
+def test_a_refused_type_is_named_beside_the_value():
+    import numpy as np
+
+    msg = _problems(data__batch_size=np.int64(8), actor__lr=np.float64(1e-5))
+    assert "data.batch_size=8: expected int, got numpy.int64" in msg
+    assert "actor.lr=1e-05: expected float, got numpy.float64" in msg
 
 
 @pytest.mark.parametrize("override", ["actor.lr=inf", "gconfig.temperature=-inf"])
@@ -120,15 +140,18 @@ def test_non_finite_float_overrides_are_refused_at_validate(override):
         cfg.validate()
 
 
-def test_right_types_pass_ints_count_as_floats_and_tuples_are_no_lists():
+def test_right_types_pass_ints_count_as_floats_and_tuples_as_lists():
     cfg = Config()
     cfg.actor.lr = 1  # an int where a float is expected
     cfg.rollout.group_timeout = None
     cfg.gconfig.stop_token_ids = [2, 3]
     assert type_problems(cfg) == []
     cfg.validate()
-    cfg.gconfig.stop_token_ids = (2, 3)
-    assert type_problems(cfg) == ["gconfig.stop_token_ids=[2,3]: expected list[int]"]
+    cfg.gconfig.stop_token_ids = (2, 3)  # saved as a list
+    cfg.cluster.allowed_import_prefixes = ("arl.", "mine.")
+    assert type_problems(cfg) == []
+    cfg.validate()
+    assert from_yaml(to_yaml(cfg)).gconfig.stop_token_ids == [2, 3]
 
 
 def test_every_default_and_yaml_round_trip_has_the_right_types():

@@ -137,3 +137,38 @@ def test_a_recipe_importing_another_names_both_files(tmp_path):
     assert msg.startswith(f"recipe {tmp_path / 'child.py'} line 2: recipe {tmp_path / 'base.py'}")
     assert "line 2 raised ModuleNotFoundError" in msg
     assert "Traceback" not in msg
+
+
+def test_an_error_raised_in_a_module_the_recipe_calls_names_where_it_was_raised(tmp_path):
+    (tmp_path / "arl_test_helper_raises.py").write_text("def build():\n    raise KeyError('lr')\n")
+    (tmp_path / "r.py").write_text(
+        HEAD + "import arl_test_helper_raises\n\n\ndef make_config():\n"
+        "    return arl_test_helper_raises.build()\n"
+    )
+    with pytest.raises(ConfigError) as e:
+        load_recipe(str(tmp_path / "r.py"))
+    helper = tmp_path / "arl_test_helper_raises.py"
+    assert str(e.value) == (
+        f"recipe {tmp_path / 'r.py'} line 6 raised KeyError: 'lr' (raised at {helper}:2)"
+    )
+
+
+def test_a_recipe_defining_a_dataclass_loads(tmp_path):
+    """With ``from __future__ import annotations`` a dataclass looks its module up in
+    sys.modules, where the recipe is registered while it runs."""
+    (tmp_path / "dc.py").write_text(
+        "from __future__ import annotations\n\nimport dataclasses\n\n"
+        + HEAD
+        + "\n\n@dataclasses.dataclass\nclass Sizes:\n    batch: int = 3\n"
+        + "\n\ndef make_config():\n    c = Config()\n    c.data.batch_size = Sizes().batch\n"
+        + "    return c\n"
+    )
+    assert load_recipe(str(tmp_path / "dc.py")).data.batch_size == 3
+
+
+def test_a_recipe_file_named_like_an_override_is_still_the_recipe(tmp_path):
+    recipe = tmp_path / "lr=1e-5.py"
+    recipe.write_text(HEAD + MAKE)
+    r = launch("lr=1e-5.py", "--dry-run", "cluster.n_gpus=0", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "# resolved config" in r.stdout
