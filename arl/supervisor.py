@@ -76,8 +76,9 @@ def _why_not_restart(cfg: Config, exc: BaseException, restarts: int) -> str | No
 
 def _described(exc: BaseException) -> str:
     """What the user reads: a classified remote failure (a server that did not start, a lost
-    peer) without the node's traceback, which only an unclassified one (a bug) needs."""
-    if isinstance(exc, RemoteError) and exc.kind is not ErrorKind.ERROR:
+    peer) without the node's traceback, which an unclassified or malformed one (a bug in a
+    workflow or in arl) keeps: the node logs no traceback of its own."""
+    if isinstance(exc, RemoteError) and exc.kind not in (ErrorKind.ERROR, ErrorKind.MALFORMED):
         return exc.summary
     return str(exc)
 

@@ -22,9 +22,10 @@ def fresh_run_dir(path: Path) -> None:
             shutil.rmtree(path)
         elif not path.is_dir() or any(path.iterdir()):
             raise ConfigError(
-                f"{path} already holds files that no benchmark wrote; a benchmark replaces its "
-                "run folder on every run, so give it one of its own (--run-dir, or "
-                "experiment.name / experiment.trial)"
+                f"{path} already holds files and no {BENCH_MARK} marker of a benchmark's run; "
+                "a benchmark replaces its run folder on every run, so give it one of its own "
+                "(--run-dir, or experiment.name / experiment.trial), or remove this one if it "
+                "is an earlier benchmark's (benchmarks of arl before the marker left none)"
             )
     path.mkdir(parents=True, exist_ok=True)
     (path / BENCH_MARK).write_text("made by python -m arl.bench; the next benchmark replaces it\n")

@@ -86,8 +86,15 @@ def run_security(cfg: Config) -> Security:
 
 
 def node_env(spec: NodeSpec, cfg: Config, n_nodes: int = 1) -> dict[str, str]:
-    """Environment of a locally spawned node: its GPUs and CPU threads."""
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, spec.gpu_ids))}
+    """Environment of a locally spawned node: its GPUs and CPU threads.
+
+    The plan numbers GPUs as this process sees them; under a ``CUDA_VISIBLE_DEVICES`` of the
+    launcher's own (``3,5``) plan GPU 0 is device 3, so the node is given that one.
+    """
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    visible = [d for d in visible if d]
+    gpus = [visible[i] if i < len(visible) else str(i) for i in spec.gpu_ids]
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
     threads = cfg.cluster.cpu_threads_per_node
     if threads is None and not spec.gpu_ids:
         # Cores are split between the nodes: rollout and training run at the same time

@@ -63,9 +63,10 @@ class BindError(zmq.ZMQError):
         self.host, self.port, self.reason = host, port, err.strerror
 
 
-class NodesNotStarted(RuntimeError):
+class NodesNotStarted(TimeoutError):
     """Fewer nodes than the run needs said hello: the wait timed out, or a process that was to
-    start them ended first. The message says how many came, from where, and what to do."""
+    start them ended first. The message says how many came, from where, and what to do. (A
+    `TimeoutError`, as the wait's failure always was, so callers catching that still do.)"""
 
 
 class BadReply(RuntimeError):

@@ -55,7 +55,8 @@ def detect_gpus(cfg: Config) -> int:
         raise ConfigError(
             f"cluster.n_gpus={n_gpus}, but torch sees {found} GPU{'s' * (found != 1)} on this "
             f"host{seen} and cluster.launcher=local starts every node here; set {fix}, or "
-            "leave cluster.n_gpus unset to use the GPUs torch sees"
+            "leave cluster.n_gpus unset to use the GPUs torch sees (to preview a plan for "
+            "other machines, add cluster.launcher=slurm to --dry-run)"
         )
     return n_gpus
 

@@ -50,8 +50,10 @@ class GroupTimeout(TimeoutError):
 
 def as_async_reward(fn: Any, target: str) -> Callable[[str, dict[str, Any]], Awaitable[float]]:
     """``rollout.reward`` as the workflows call it: an ``async def`` as it is; a plain function
-    runs in a worker thread, so a slow score never blocks the node's event loop (an awaitable
-    it returns is awaited). Anything not callable is refused naming ``target``."""
+    runs in a worker thread, so a slow score never blocks the node's event loop (a coroutine
+    it returns is awaited on the loop, but the function itself has no running loop: one that
+    schedules work on the loop must be an ``async def``). Anything not callable is refused
+    naming ``target``."""
     if not callable(fn):
         raise TypeError(
             f"rollout.reward={target} is a {type(fn).__name__}, not a function; name a function "

@@ -220,19 +220,21 @@ class TrainWorker:
 
     def save_hf(self, path: str) -> None:
         """Write the weights as an HF folder (every rank calls; rank 0 writes), atomically."""
-        tmp = f"{path}.tmp"
+        tmp, old = f"{path}.tmp", f"{path}.old"
         try:
             self.engine.save_hf(tmp)
+            if self.rank == 0:
+                if os.path.exists(path):  # this run's own earlier export of the step (a restart)
+                    shutil.rmtree(old, ignore_errors=True)
+                    os.replace(path, old)
+                os.replace(tmp, path)
         except BaseException:  # e.g. a full disk: leave no half-written folder behind
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
+                if os.path.exists(old) and not os.path.exists(path):
+                    os.replace(old, path)  # the earlier export back where it was
             raise
         if self.rank == 0:
-            old = f"{path}.old"
-            if os.path.exists(path):  # this run's own earlier export of the step (a restart)
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(path, old)
-            os.replace(tmp, path)
             shutil.rmtree(old, ignore_errors=True)
 
     def weights_checksum(self) -> str:

@@ -303,7 +303,10 @@ class _RefusalWatcher(threading.Thread):
         # A handshake outcome.
         peers = list(self._waiting.values())
         if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-            asked = self._denied.popleft() if self._denied else ""
+            # One denial per failed-auth event, in order; more than one waiting means they fell
+            # out of step (events dropped in a flood): trust none, and start again in step.
+            asked = self._denied.popleft() if len(self._denied) == 1 else ""
+            self._denied.clear()
             if asked and len(peers) == 1 and peers[0][1] == _GONE:
                 peers = [(asked, f"{asked} (its port was closed before it could be read)")]
         if kind in HANDSHAKE_FAILED:

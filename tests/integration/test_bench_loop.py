@@ -82,5 +82,5 @@ def test_a_run_folder_no_benchmark_wrote_is_refused_and_kept(tmp_path, capsys):
     (mine / "notes.txt").write_text("mine")
     argv = ["loop", "--steps", "2", "--run-dir", str(tmp_path), "experiment.name=victim"]
     assert bench([*argv, "experiment.trial=t0", "cluster.n_gpus=0"]) == 2
-    assert "already holds files that no benchmark wrote" in capsys.readouterr().err
+    assert "already holds files and no .arl-bench marker" in capsys.readouterr().err
     assert (mine / "notes.txt").read_text() == "mine"

@@ -24,7 +24,7 @@ def test_an_empty_folder_is_used_and_anything_else_refused_untouched(tmp_path) -
     user = tmp_path / "user"
     user.mkdir()
     (user / "notes.txt").write_text("mine")
-    with pytest.raises(ConfigError, match=r"user already holds files that no benchmark wrote"):
+    with pytest.raises(ConfigError, match=r"user already holds files and no .arl-bench marker"):
         fresh_run_dir(user)
     assert [p.name for p in user.iterdir()] == ["notes.txt"]
     a_file = tmp_path / "file"

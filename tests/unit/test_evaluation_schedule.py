@@ -1,5 +1,7 @@
 """When the trainer evaluates: every ``evaluator.freq_steps`` steps and after the last step."""
 
+from pathlib import Path
+
 import pytest
 
 from arl.config import EvaluatorConfig
@@ -27,7 +29,7 @@ def test_evaluation_runs_every_freq_steps_and_after_the_last_step(freq, total, s
 
 
 def test_arith_evaluates_after_the_last_step_and_as_often_as_its_presets_say():
-    path = "recipes/arith.py"
+    path = str(Path(__file__).resolve().parents[2] / "recipes" / "arith.py")
     recipe = import_recipe(path)
     gpu = load_recipe(path, recipe)
     assert _eval_steps(gpu.evaluator.freq_steps, gpu.experiment.total_train_steps) == [10, 20]

@@ -88,3 +88,12 @@ def test_a_classified_failure_is_reported_without_the_remote_traceback():
     )
     bug = RemoteError.from_payload("rollout0", "rollout.setup", error_payload(ValueError("x")))
     assert "\n--- remote traceback ---\n" in _described(bug)  # a bug keeps where it was
+
+
+def test_a_malformed_report_keeps_the_remote_traceback_the_node_never_logged():
+    from arl.protocol.report import ReportError
+
+    payload = error_payload(ReportError("workflow returned rewards of the wrong length"))
+    bad = RemoteError.from_payload("rollout0", "rollout.run_group", payload)
+    assert bad.kind is ErrorKind.MALFORMED
+    assert "\n--- remote traceback ---\n" in _described(bad)
