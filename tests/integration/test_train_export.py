@@ -5,14 +5,12 @@ folder is left, and an earlier export of the same step survives intact."""
 from __future__ import annotations
 
 import json
-import os
 import resource
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
-from tests.integration.test_train_score import REPO, _free_port
+from tests.integration.test_train_score import _free_port, run_rank
 
 
 def _rank(spec: dict) -> None:
@@ -43,17 +41,7 @@ def test_a_failed_export_leaves_no_half_folder_and_keeps_the_earlier_one(tmp_pat
     out = tmp_path / "ckpt"
     out.mkdir()
     spec = {"model": str(model), "init": f"tcp://127.0.0.1:{_free_port()}", "out": str(out)}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, __file__, str(tmp_path / "spec.json")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    run_rank(__file__, spec, tmp_path)
     errors = json.loads((out / "result.json").read_text())
     assert all(errors), errors  # both exports really failed
     assert sorted(p.name for p in out.iterdir()) == ["result.json", "step2"]

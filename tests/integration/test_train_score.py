@@ -19,6 +19,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_rank(script: str, spec: dict, tmp_path: Path) -> None:
+    """Run ``script`` (a test file whose ``__main__`` is one rank) on ``spec`` in a child
+    process, with this checkout's arl; it must exit 0."""
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, script, str(tmp_path / "spec.json")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
 def _rank(spec: dict) -> None:
     from arl.node.train import TrainWorker
 
@@ -38,17 +54,7 @@ def test_scoring_with_rounded_weights_leaves_later_passes_unrounded(tmp_path):
     model = save_tiny_llama(tmp_path / "model", seed=1)
     spec = {"model": str(model), "init": f"tcp://127.0.0.1:{_free_port()}"}
     spec["out"] = str(tmp_path / "scores.json")
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, __file__, str(tmp_path / "spec.json")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    run_rank(__file__, spec, tmp_path)
     got = json.loads(Path(spec["out"]).read_text())
     assert got["rounded"] != got["plain"]  # the bf16-rounded weights were really scored
     assert got["after"] == got["plain"]  # and restored for every pass after it
