@@ -115,7 +115,8 @@ class RolloutConfig:
 
     backend: str = _f("hf:d1", "inference backend ENGINE:SPEC (hf, vllm, sglang), e.g. sglang:d2t2")
     max_concurrent_rollouts: int | None = _f(
-        None, "prompt groups in flight at once (none: 2 x data.batch_size)"
+        None,
+        "prompt groups in flight at once (none: what eta allows, (eta + 1) x data.batch_size)",
     )
     max_head_offpolicyness: int = _f(
         2, "eta: how many policy versions older than the trainer a sample may be (0: synchronous)"
@@ -156,12 +157,13 @@ class RolloutConfig:
         "in flight, on which node, for how long (again every as many seconds; none: never)",
     )
     dtype: str = _f("auto", "inference weight dtype (auto, bfloat16, float16, float32)")
-    hf_decode_attention: Literal["sdpa", "flex"] = _f(
-        "sdpa",
+    hf_decode_attention: Literal["auto", "sdpa", "flex"] = _f(
+        "auto",
         "hf engine decode attention: sdpa reads every row's KV cache up to the batch's longest "
         "row (additive mask); flex reads each row's own length (torch flex_attention with a "
         "block mask, one CUDA graph per batch bucket); flex needs CUDA and torch.compile to be "
-        "fast (elsewhere torch's unfused reference; SDPA, with a warning, where it cannot compile)",
+        "fast (elsewhere torch's unfused reference; SDPA, with a warning, where it cannot "
+        "compile); auto is flex on CUDA, sdpa elsewhere",
     )
     agent: str = _f(
         "",
@@ -423,8 +425,13 @@ class Config:
 
     @property
     def max_concurrent_rollouts(self) -> int:
-        """Prompt groups in flight at once, with the default resolved."""
-        return self.rollout.max_concurrent_rollouts or 2 * self.data.batch_size
+        """Prompt groups in flight at once, with the default resolved: as many as the staleness
+        bound lets run, so that eta, not a second cap, limits rollout. With a cap of 2 x batch a
+        rollout-bound gsm8k run admitted one group per finished group, one eager prefill each
+        (106 in 8 steps, stalling every decoding row); uncapped, groups are admitted 64 at a
+        version bump (19 prefills), and a decode step fell from 13.3 to 10.3 ms on an H200."""
+        eta = self.rollout.max_head_offpolicyness
+        return self.rollout.max_concurrent_rollouts or (eta + 1) * self.data.batch_size
 
     def validate(self) -> None:
         """Check every field and the relations between them; raise one `ConfigError` listing all.
@@ -651,7 +658,7 @@ def _validation_problems(cfg: Config) -> list[str]:
     rollout_engine = cfg.rollout.backend.split(":")[0].strip()
     check(
         "rollout.hf_decode_attention",
-        cfg.rollout.hf_decode_attention == "sdpa" or rollout_engine == "hf",
+        cfg.rollout.hf_decode_attention in ("auto", "sdpa") or rollout_engine == "hf",
         f"applies to the hf engine only; rollout.backend={cfg.rollout.backend!r} (a server "
         "chooses its own attention kernels)",
     )

@@ -241,12 +241,14 @@ class PPOTrainer:
             options = {}
             if not spec.is_server:
                 # Room for every sequence the staleness semaphore lets run at once, split over
-                # the engines (its default 64 rows would serialise gsm8k's 512 concurrent samples).
+                # the engines (its default 64 rows would serialise gsm8k's 768 concurrent
+                # samples), up to 1,024 rows: SmolLM2's KV cache for 1,024 rows of gsm8k's
+                # 1,537 positions is 36 GB (the engine grows it lazily where that does not fit).
                 per_engine = -(-cfg.max_concurrent_rollouts * cfg.gconfig.n_samples // n_engines)
                 # The cache grows on demand up to max_seq_len; agent turns can outgrow prompt +
                 # new tokens.
                 longest = cfg.data.max_prompt_len + cfg.gconfig.max_new_tokens + 1
-                options = {"max_batch_size": max(1, min(512, per_engine))}
+                options = {"max_batch_size": max(1, min(1024, per_engine))}
                 options["max_seq_len"] = max(2048, longest)
                 # Decode graphs for every batch size up to that length are captured at start, with
                 # the cache at its full size (rows x length; lazily grown if that does not fit).

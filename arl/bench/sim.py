@@ -55,7 +55,7 @@ class SimSpec:
     jitter: float = 0.1  # gen_time varies by +- this fraction per group
     rollout_nodes: int = 2
     train_nodes: int = 1
-    max_concurrent: int | None = None  # none: the config default, 2 x batch_size
+    max_concurrent: int | None = None  # none: the config default, (eta + 1) x batch_size
     overrides: tuple[str, ...] = ()
 
 

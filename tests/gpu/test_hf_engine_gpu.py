@@ -117,7 +117,10 @@ def test_64_greedy_requests_match_argmax_cuda(tmp_path: Path) -> None:
         assert res.output_ids == teacher_forced(model, prompt, res.output_ids, 1.0)[1]
 
 
-def test_warm_up_captures_graphs_and_decodes_the_same_cuda(tmp_path: Path) -> None:
+@pytest.mark.parametrize("attention, widths", [("sdpa", 2), ("flex", 1)])
+def test_warm_up_captures_graphs_and_decodes_the_same_cuda(
+    tmp_path: Path, attention: str, widths: int
+) -> None:
     """``warm_up_len``: every graph up to that length exists before the first request, the
     first generations capture none, and they decode what the teacher-forced pass says."""
     vocab = 4096
@@ -126,10 +129,12 @@ def test_warm_up_captures_graphs_and_decodes_the_same_cuda(tmp_path: Path) -> No
     prompts = random_prompts(96, vocab, seed=5)  # 96 rows run in the 128-row graph
     sp = SamplingParams(max_new_tokens=40, greedy=True)
     kw = dict(device="cuda", dtype="float32", max_batch_size=200, warm_up_len=120)
-    with HFEngine(path, **kw) as engine:
+    with HFEngine(path, decode_attention=attention, **kw) as engine:
         before = asyncio.run(engine.health())
-        # rows 1..64 (7 buckets), 128, 192 and 200 (the cap); widths 64 and 128
-        assert before["decode_graphs"] == 10 * 2 and before["warm_up_s"] > 0
+        # rows 1..64 (7 buckets), 128, 192 and 200 (the cap); sdpa's widths 64 and 128, flex's
+        # one width (the cache's whole width)
+        assert before["decode_attention"] == attention
+        assert before["decode_graphs"] == 10 * widths and before["warm_up_s"] > 0
         results = asyncio.run(staggered(engine, prompts, sp))
         after = asyncio.run(engine.health())
     assert after["decode_graphs"] == before["decode_graphs"] and after["last_error"] is None

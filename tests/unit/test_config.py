@@ -23,7 +23,12 @@ def test_defaults_validate_and_run_path():
     cfg.validate()
     assert str(cfg.run_path) == "runs/arl/trial0"
     assert cfg.ref_path == cfg.actor.path
-    assert cfg.max_concurrent_rollouts == 2 * cfg.data.batch_size
+    # As many groups as eta lets run: the staleness bound, not a second cap, limits rollout.
+    assert cfg.max_concurrent_rollouts == 3 * cfg.data.batch_size
+    cfg.rollout.max_head_offpolicyness = 0
+    assert cfg.max_concurrent_rollouts == cfg.data.batch_size
+    cfg.rollout.max_concurrent_rollouts = 5
+    assert cfg.max_concurrent_rollouts == 5
 
 
 def test_every_field_has_help():
@@ -277,6 +282,8 @@ def test_flex_decode_attention_is_refused_for_a_server_engine():
     with pytest.raises(ConfigError, match="hf_decode_attention='flex': applies to the hf engine"):
         cfg.validate()
     apply_overrides(Config(), ["rollout.hf_decode_attention=flex"]).validate()
+    # The default, auto, leaves a server's attention to the server.
+    apply_overrides(Config(), ["rollout.backend=vllm:d1"]).validate()
 
 
 def test_validate_lists_every_problem_at_once():

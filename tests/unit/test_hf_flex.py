@@ -167,18 +167,25 @@ def test_flex_engine_decodes_what_sdpa_decodes(tiny: str, compiled: bool) -> Non
 
 
 def test_unknown_decode_attention_is_refused(tiny: str) -> None:
-    with pytest.raises(ValueError, match=r"decode_attention must be 'sdpa' .* or 'flex'.*'fast'"):
+    with pytest.raises(ValueError, match=r"decode_attention must be 'sdpa' .*'flex'.*'fast'"):
         HFEngine(tiny, decode_attention="fast")
 
 
+def test_auto_decode_attention_is_sdpa_off_cuda(tiny: str) -> None:
+    """The default: flex only where it is compiled on CUDA; on a CPU, SDPA (flex's reference
+    kernel reads every position and is slower)."""
+    with HFEngine(tiny, max_batch_size=2, max_seq_len=64) as engine:
+        assert engine.decode_attention == "sdpa"
+
+
 def test_config_refuses_an_unknown_decode_attention() -> None:
-    with pytest.raises(ConfigError, match="choose one of sdpa, flex"):
+    with pytest.raises(ConfigError, match="choose one of auto, sdpa, flex"):
         apply_overrides(Config(), ["rollout.hf_decode_attention=fast"])
     cfg = apply_overrides(Config(), ["rollout.hf_decode_attention=flex"])
     assert cfg.rollout.hf_decode_attention == "flex"
     cfg = Config()
     cfg.rollout.hf_decode_attention = "Flex"  # type: ignore[assignment]  # a recipe's typo
-    with pytest.raises(ConfigError, match="rollout.hf_decode_attention='Flex'.*sdpa, flex"):
+    with pytest.raises(ConfigError, match="rollout.hf_decode_attention='Flex'.*auto, sdpa, flex"):
         cfg.validate()
 
 

@@ -12,10 +12,11 @@ Log-probs: each returned log-prob is ``log_softmax(logits / T)`` of the sampled 
 after temperature and *before* top-p/top-k truncation, which is what the trainer recomputes.
 Greedy requests use ``T = temperature`` if it is positive, else 1.
 
-Decode attention (``decode_attention``): ``"sdpa"`` (the default) reads every row's KV cache up
-to the batch's longest row, bucketed, under the additive mask; ``"flex"`` (flex.py) runs torch's
+Decode attention (``decode_attention``): ``"sdpa"`` reads every row's KV cache up to the batch's
+longest row, bucketed, under the additive mask; ``"flex"`` (flex.py) runs torch's compiled
 ``flex_attention`` with a block mask built from each row's own length, so a step reads about the
-rows' own lengths. Prefill takes SDPA either way.
+rows' own lengths; ``"auto"`` (the default) is flex on CUDA and sdpa elsewhere. Prefill takes
+SDPA either way.
 
 On CUDA the decode step is replayed from CUDA graphs, one per (batch bucket, KV-length bucket),
 or with flex one per batch bucket at the cache's whole width (blocks past a row's length cost

@@ -86,7 +86,7 @@ class HFEngine:
         compile_blocks: bool | None = None,
         grouped_attention: bool = True,
         warm_up_len: int = 0,
-        decode_attention: str = "sdpa",
+        decode_attention: str = "auto",
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -97,8 +97,9 @@ class HFEngine:
             )
         if decode_attention not in DECODE_ATTENTIONS:
             raise ValueError(
-                "decode_attention must be 'sdpa' (the additive mask over the batch's longest row)"
-                f" or 'flex' (each row's own length; compiled on CUDA), got {decode_attention!r}"
+                "decode_attention must be 'sdpa' (the additive mask over the batch's longest row),"
+                " 'flex' (each row's own length; compiled on CUDA) or 'auto' (flex on CUDA, sdpa"
+                f" elsewhere), got {decode_attention!r}"
             )
         if warm_up_len < 0:
             raise ValueError(f"warm_up_len must be >= 0, got {warm_up_len}")
@@ -125,6 +126,11 @@ class HFEngine:
         # newcomers on every step would make every step that slow.
         self.prefill_interval = prefill_interval or (16 if self.cuda_graphs else 1)
 
+        if decode_attention == "auto":
+            # Flex where it is compiled on CUDA (below). Elsewhere it would be torch's unfused
+            # reference, or the CPU's C++ kernel, both slower than SDPA at these sizes.
+            compiles = on_cuda if compile_blocks is None else compile_blocks
+            decode_attention = "flex" if on_cuda and compiles else "sdpa"
         if decode_attention == "flex":  # prefill still takes SDPA through it
             attention = register_flex_attention()
         else:

@@ -33,7 +33,7 @@ from arl.engines.hf.attention import grouped_decode_attention
 
 logger = logging.getLogger(__name__)
 
-DECODE_ATTENTIONS = ("sdpa", "flex")
+DECODE_ATTENTIONS = ("auto", "sdpa", "flex")
 
 # KV positions per block: the FlexDecoding kernel's own tile (BLOCK_N = 64), so a row reads at
 # most 63 positions past its length and no tile is split between blocks.
