@@ -126,11 +126,12 @@ class HFEngine:
         # newcomers on every step would make every step that slow.
         self.prefill_interval = prefill_interval or (16 if self.cuda_graphs else 1)
 
+        # Flex is compiled on CUDA unless compile_blocks=False, and on CPU with compile_blocks=True
+        # (its C++ kernel skips blocks too); else it runs torch's unfused reference. ``auto``
+        # takes flex only where it is compiled on CUDA: the other two are slower than SDPA.
+        flex_compiled = on_cuda if compile_blocks is None else compile_blocks
         if decode_attention == "auto":
-            # Flex where it is compiled on CUDA (below). Elsewhere it would be torch's unfused
-            # reference, or the CPU's C++ kernel, both slower than SDPA at these sizes.
-            compiles = on_cuda if compile_blocks is None else compile_blocks
-            decode_attention = "flex" if on_cuda and compiles else "sdpa"
+            decode_attention = "flex" if on_cuda and flex_compiled else "sdpa"
         if decode_attention == "flex":  # prefill still takes SDPA through it
             attention = register_flex_attention()
         else:
@@ -145,13 +146,10 @@ class HFEngine:
         # The whole model compiles too, but in minutes; these blocks compile in seconds.
         want = self.cuda_graphs if compile_blocks is None else compile_blocks
         self.compiled_blocks = compile_norm_and_mlp(self._model) if want and on_cuda else 0
-        # Flex is compiled on CUDA unless compile_blocks=False, and on CPU with compile_blocks=True
-        # (its C++ kernel skips blocks too); else it runs torch's unfused reference. None where
-        # compilation failed (warned): the engine decodes with SDPA.
+        # None where compilation failed (warned): the engine decodes with SDPA.
         self._flex = None
         if decode_attention == "flex":
-            compiled = on_cuda if compile_blocks is None else compile_blocks
-            self._flex = flex_decode(self._model, self.device, max_batch_size, compiled)
+            self._flex = flex_decode(self._model, self.device, max_batch_size, flex_compiled)
         self.decode_attention = "sdpa" if self._flex is None else "flex"
         self._eos = _eos_ids(self._model)
         self._vocab_size = int(self._model.get_input_embeddings().weight.shape[0])
