@@ -133,25 +133,46 @@ class PackedRow(NamedTuple):
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T], restarting at 0 for each sequence
     cu_seqlens: torch.Tensor  # [n + 1] int64
+    index: torch.Tensor  # [T] int64: where each packed token sits in the flattened [n, L] rows
 
 
-def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedRow:
+def pack_rows(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, lengths: Sequence[int] | None = None
+) -> PackedRow:
     """Concatenate the attended tokens of each right-padded row into a single row.
 
     position_ids restart at 0 per sequence; transformers' attention builds a block-diagonal
-    causal mask from that when called with ``attention_mask=None``.
+    causal mask from that when called with ``attention_mask=None``. ``lengths`` (each row's
+    attended tokens, known on the host) lets a GPU batch be packed without a host sync: the
+    packed size need not be read back from the device.
     """
-    lens = attention_mask.sum(dim=1)
-    mask = attention_mask.bool()
-    ids = input_ids[mask]
-    pos = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)[mask]
-    cu = torch.zeros(len(lens) + 1, dtype=torch.int64, device=input_ids.device)
-    cu[1:] = torch.cumsum(lens, 0)
-    return PackedRow(ids[None], pos[None], cu)
+    n, width = attention_mask.shape
+    dev = input_ids.device
+    flat = attention_mask.reshape(-1).bool()
+    if lengths is None:
+        index = flat.nonzero().squeeze(1)
+        cu = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+        cu[1:] = torch.cumsum(attention_mask.sum(dim=1), 0)
+    else:
+        total = int(sum(lengths))
+        index = torch.nonzero_static(flat, size=total).squeeze(1)
+        bounds = [0]
+        for k in lengths:
+            bounds.append(bounds[-1] + int(k))
+        cu = torch.tensor(bounds, dtype=torch.int64).to(dev, non_blocking=True)
+    ids = input_ids.reshape(-1)[index]
+    pos = index % width
+    return PackedRow(ids[None], pos[None], cu, index)
 
 
-def unpack_values(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Scatter per-token ``values`` [T] (or [1, T]) of a packed row back to [n, L], 0 on padding."""
-    out = values.new_zeros(attention_mask.shape)
-    out[attention_mask.bool()] = values.reshape(-1)
-    return out
+def unpack_values(
+    values: torch.Tensor, attention_mask: torch.Tensor, index: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Scatter per-token ``values`` [T] (or [1, T]) of a packed row back to [n, L], 0 on padding.
+
+    ``index`` is the packed row's `PackedRow.index`; with it nothing is read back to the host.
+    """
+    if index is None:
+        index = attention_mask.reshape(-1).bool().nonzero().squeeze(1)
+    out = values.new_zeros(attention_mask.numel())
+    return out.index_copy(0, index, values.reshape(-1)).view(attention_mask.shape)

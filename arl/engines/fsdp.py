@@ -13,7 +13,7 @@ import logging
 import math
 import shutil
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -69,6 +69,7 @@ def forward_logp(
     attention_mask: torch.Tensor,
     temperature: float,
     layout: Layout = "padded",
+    lengths: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob and entropy [n, L] of right-padded rows, 0 at position 0 and on padding.
 
@@ -78,19 +79,27 @@ def forward_logp(
     mask, O(total_tokens^2) in time and memory (~14 GB and minutes for 6k tokens on CPU), so
     ``padded`` (the rows as they are, O(n * L^2)) is the layout for CPU.
     The log-probs come from `ChunkedLogpHead` when the model has one: the fp32 logits of a
-    micro-batch are never materialised at once.
+    micro-batch are never materialised at once. ``lengths`` (each row's attended tokens, as
+    the host knows them) spares the packed layout its reads of sizes from the device: on a
+    GPU time-shared with an inference engine each such read waits for the engine's turn too.
     """
     if layout == "packed":
-        row = pack_rows(input_ids, attention_mask)
+        row = pack_rows(input_ids, attention_mask, lengths)
         kw = {}
         if getattr(model.config, "_attn_implementation", "") == VARLEN_ATTENTION:
             cu = row.cu_seqlens.to(torch.int32)
-            longest = int(attention_mask.sum(dim=1).max())
-            kw = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest}
+            longest = max(lengths) if lengths else int(attention_mask.sum(dim=1).max())
+            kw = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": int(longest)}
         logp, ent = _logp_entropy(model, row.input_ids, row.position_ids, temperature, **kw)
-        return unpack_values(logp[0], attention_mask), unpack_values(ent[0], attention_mask)
+        return (
+            unpack_values(logp[0], attention_mask, row.index),
+            unpack_values(ent[0], attention_mask, row.index),
+        )
     if layout != "padded":
         raise ValueError(f"layout must be 'packed' or 'padded', got {layout!r}")
+    if getattr(model.config, "_attn_implementation", "") == VARLEN_ATTENTION:
+        # Such a model is given no mask (`_register_varlen`): padding would be attended.
+        raise ValueError("a model loaded for packed rows (varlen attention) cannot run padded rows")
     pos = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
     logp, ent = _logp_entropy(model, input_ids, pos, temperature, attention_mask=attention_mask)
     mask = attention_mask.bool()
@@ -183,7 +192,8 @@ def _chunk_logp(
 
 
 # The varlen attention of packed rows (CUDA): one flash-attention call over the concatenated
-# sequences, told apart by cu_seqlens; without those kwargs (padded rows) it is stock sdpa.
+# sequences, told apart by cu_seqlens; without those kwargs (a pass with no rows to tell apart,
+# e.g. `FSDPEngine._dummy_pass`) it is stock causal sdpa.
 VARLEN_ATTENTION = "arl_varlen"
 
 
@@ -242,16 +252,12 @@ def varlen_available(device: torch.device) -> bool:
 
 
 def _register_varlen() -> str:
+    # Only the attention function: with no mask function registered under this name,
+    # transformers builds no mask for it (packed rows need none), and skips its scan of the
+    # position_ids for packed sequences, which reads a result back from the device.
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    def mask(**kw: object) -> torch.Tensor | None:
-        # Packed rows come without an attention mask: cu_seqlens bound the attention instead
-        # of the dense block mask transformers would build from the restarting position_ids.
-        return None if kw.get("attention_mask") is None else sdpa_mask(**kw)
 
     AttentionInterface.register(VARLEN_ATTENTION, _varlen_attention)
-    AttentionMaskInterface.register(VARLEN_ATTENTION, mask)
     return VARLEN_ATTENTION
 
 
@@ -449,7 +455,7 @@ class FSDPEngine:
             ids = torch.ones_like(am, dtype=torch.long) * am
             for grad in (True, False):
                 with torch.set_grad_enabled(grad):
-                    logp, _ = forward_logp(self.model, ids, am, 1.0, self.layout)
+                    logp, _ = forward_logp(self.model, ids, am, 1.0, self.layout, shape)
                     if grad:
                         (logp.sum() * 0.0).backward()
         self.optimizer.zero_grad(set_to_none=True)
@@ -484,9 +490,15 @@ class FSDPEngine:
             if not rows:
                 self._dummy_pass(model, backward=False)
                 continue
-            mb = self._to_device(select_rows(batch, rows), ("input_ids", "attention_mask"))
+            sub = select_rows(batch, rows)
+            mb = self._to_device(sub, ("input_ids", "attention_mask"))
             logp, _ = forward_logp(
-                model, mb["input_ids"], mb["attention_mask"], self.cfg.temperature, self.layout
+                model,
+                mb["input_ids"],
+                mb["attention_mask"],
+                self.cfg.temperature,
+                self.layout,
+                seq_lengths(sub),
             )
             out[rows, : logp.shape[1]] = logp.float().cpu()
         return out
@@ -616,13 +628,15 @@ class FSDPEngine:
             if not rows:
                 self._dummy_pass(self.model, backward=True)
                 continue
-            mb = self._to_device(select_rows(batch, rows), keys)
+            sub = select_rows(batch, rows)
+            mb = self._to_device(sub, keys)
             logp, ent = forward_logp(
                 self.model,
                 mb["input_ids"],
                 mb["attention_mask"],
                 self.cfg.temperature,
                 self.layout,
+                seq_lengths(sub),
             )
             loss, stats = self._loss(logp, mb, n_global)
             (loss * self.world_size).backward()
@@ -801,15 +815,18 @@ class FSDPEngine:
         return {k: batch[k].to(self.device, non_blocking=True) for k in keys}
 
     def _all_sum(self, t: torch.Tensor) -> torch.Tensor:
-        dev = t.to(self.device)
-        if self.world_size > 1:
-            dist.all_reduce(dev, op=dist.ReduceOp.SUM)
-        return dev.cpu()
+        return self._all_reduce(t, dist.ReduceOp.SUM)
 
     def _all_max(self, t: torch.Tensor) -> torch.Tensor:
+        return self._all_reduce(t, dist.ReduceOp.MAX)
+
+    def _all_reduce(self, t: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
+        """``t`` reduced over the ranks, on the host. One rank reduces nothing: a host tensor
+        stays where it is (no round trip through the device, which would wait for it)."""
+        if self.world_size == 1:
+            return t.cpu()
         dev = t.to(self.device)
-        if self.world_size > 1:
-            dist.all_reduce(dev, op=dist.ReduceOp.MAX)
+        dist.all_reduce(dev, op=op)
         return dev.cpu()
 
 
