@@ -121,12 +121,19 @@ class RolloutConfig:
     max_head_offpolicyness: int = _f(
         2, "eta: how many policy versions older than the trainer a sample may be (0: synchronous)"
     )
-    gpu_sharing: Literal["concurrent", "alternate"] = _f(
+    gpu_sharing: Literal["concurrent", "alternate", "mps"] = _f(
         "concurrent",
         "engines on a train rank's GPU: concurrent generates while the ranks train (the GPU "
         "time-slices between the two processes); alternate pauses their generation in place "
         "for each training step and weight sync, so each phase has the whole GPU (server "
-        "engines, which cannot pause in place, abort and re-prefill their requests each step)",
+        "engines, which cannot pause in place, abort and re-prefill their requests each step); "
+        "mps runs both at once under a private NVIDIA MPS daemon (cluster.launcher=local), the "
+        "engine held to rollout.mps_engine_percent of the SMs",
+    )
+    mps_engine_percent: int = _f(
+        50,
+        "with gpu_sharing=mps: the share of the GPU's SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) "
+        "an engine on a train rank's GPU may use; the train ranks may use all of them",
     )
     stale_sample_policy: Literal["keep", "drop"] = _f(
         "keep", "what to do with a finished sample that is staler than eta"
@@ -656,6 +663,14 @@ def _validation_problems(cfg: Config) -> list[str]:
         except ConfigError as e:
             problems.append(f"{key}: {e}")
     rollout_engine = cfg.rollout.backend.split(":")[0].strip()
+    within("rollout.mps_engine_percent", 1, 100)
+    check(
+        "rollout.gpu_sharing",
+        cfg.rollout.gpu_sharing != "mps" or cfg.cluster.launcher == "local",
+        f"mps starts a private MPS daemon on this machine, where only cluster.launcher=local "
+        f"starts the nodes (here {cfg.cluster.launcher!r}); elsewhere start MPS with the "
+        "scheduler (Slurm: --gres=mps) and use concurrent",
+    )
     check(
         "rollout.hf_decode_attention",
         cfg.rollout.hf_decode_attention in ("auto", "sdpa") or rollout_engine == "hf",

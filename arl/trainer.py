@@ -30,6 +30,7 @@ from arl.config import Config
 from arl.control.cluster import Cluster
 from arl.control.controller import NodeLost, RemoteObject
 from arl.control.dispatch import dispatch
+from arl.control.placement import shares_gpu
 from arl.control.rollout import RolloutController
 from arl.control.staleness import StalenessSemaphore
 from arl.data.loader import StatefulLoader
@@ -51,12 +52,6 @@ PROBE_MESSAGES = [
     {"role": "user", "content": "What is 12 * 7? Put the answer in \\boxed{}."},
     {"role": "assistant", "content": "12 * 7 = 84, so the answer is \\boxed{84}."},
 ]
-
-
-def shares_gpu(spec: Any, train: list[Any]) -> bool:
-    """Whether a rollout node's engine shares a GPU with one of the ``train`` nodes (specs)."""
-    train_gpus = {g for t in train for g in t.gpu_ids}
-    return bool(spec.colocated and set(spec.gpu_ids) & train_gpus)
 
 
 def probe_gap(got: list[float], want: list[float]) -> tuple[float, float]:
@@ -203,10 +198,11 @@ class PPOTrainer:
         # Rollout workers whose engine shares a GPU with a train rank (rollout.gpu_sharing).
         train = [p.spec for p in self.cluster.train]
         self._sharing = [i for i, p in enumerate(self.cluster.rollout) if shares_gpu(p.spec, train)]
-        if cfg.rollout.gpu_sharing == "alternate" and not self._sharing:
+        if cfg.rollout.gpu_sharing != "concurrent" and not self._sharing:
             log.warning(
-                "rollout.gpu_sharing=alternate has no effect here: no rollout engine shares a GPU "
-                "with a train rank"
+                "rollout.gpu_sharing=%s has no effect here: no rollout engine shares a GPU "
+                "with a train rank",
+                cfg.rollout.gpu_sharing,
             )
         self.rollout.tracer = self.tracer
         self.tracer.declare("trainer", *(p.handle.node_id for p in self.cluster.nodes))

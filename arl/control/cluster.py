@@ -21,7 +21,8 @@ import attrs
 from arl.config import Config, ConfigError
 from arl.control.controller import BindError, Controller, NodeHandle
 from arl.control.launcher import LocalNodes, SlurmNodes
-from arl.control.placement import NodeSpec, check_node_count
+from arl.control.mps import MpsDaemon, control_binary, mps_node_env
+from arl.control.placement import NodeSpec, check_node_count, shares_gpu
 from arl.control.ray_launcher import RayNodes
 from arl.wire.addresses import is_loopback
 from arl.wire.sockets import (
@@ -173,10 +174,18 @@ class LaunchRequest:
 
 
 class _LocalLauncher:
-    """``local``: one ``arl-node`` subprocess per plan entry on this machine."""
+    """``local``: one ``arl-node`` subprocess per plan entry on this machine; with
+    ``rollout.gpu_sharing=mps`` and an engine on a train rank's GPU, a private MPS daemon
+    (`arl.control.mps`) started before the nodes and ended after them."""
 
     def __init__(self, req: LaunchRequest) -> None:
         self.req, self.nodes = req, None
+        self.mps: MpsDaemon | None = None
+        rollout = [s for s in req.plan if s.role == "rollout"]
+        train = [s for s in req.plan if s.role == "train"]
+        self.shared = {s.node_id for s in rollout if shares_gpu(s, train)}
+        if req.cfg.rollout.gpu_sharing == "mps" and self.shared:
+            control_binary()  # a missing daemon is a config error, before anything starts
 
     async def prepare(self) -> None:
         pass
@@ -187,6 +196,13 @@ class _LocalLauncher:
     async def start(self, controller: str) -> None:
         r = self.req
         envs = [node_env(s, r.cfg, len(r.plan)) for s in r.plan]
+        if r.cfg.rollout.gpu_sharing == "mps" and self.shared:
+            self.mps = MpsDaemon(r.cfg.run_path / "mps")
+            await self.mps.start()
+            pct = r.cfg.rollout.mps_engine_percent
+            for spec, env in zip(r.plan, envs, strict=True):
+                shared = spec.node_id in self.shared
+                env.update(mps_node_env(spec.role, spec.gpu_ids, shared, self.mps.client_env, pct))
         self.nodes = LocalNodes(controller, r.security, envs, node_ids=r.names, **r.command_kw)
         await self.nodes.__aenter__()
 
@@ -200,6 +216,9 @@ class _LocalLauncher:
         if self.nodes is not None:
             await self.nodes.close()
             self.nodes = None
+        if self.mps is not None:  # after its clients, the nodes, have ended
+            await self.mps.stop()
+            self.mps = None
 
 
 class _SlurmLauncher:

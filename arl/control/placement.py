@@ -34,6 +34,12 @@ class NodeSpec:
     colocated: bool = False
 
 
+def shares_gpu(spec: NodeSpec, train: list[NodeSpec]) -> bool:
+    """Whether a rollout node's engine shares a GPU with one of the ``train`` nodes (specs)."""
+    train_gpus = {g for t in train for g in t.gpu_ids}
+    return bool(spec.colocated and set(spec.gpu_ids) & train_gpus)
+
+
 def detect_gpus(cfg: Config) -> int:
     """GPUs to place nodes on: cluster.n_gpus, or what torch sees.
 

@@ -15,9 +15,12 @@ to see the seconds per sync of each mode.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -127,3 +130,22 @@ def test_cuda_ipc_fields_open_the_same_memory_in_another_process():
     torch.cuda.synchronize()
     assert torch.equal(buffer[10:].cpu(), torch.arange(10, 1000, dtype=torch.float32) + 1)
     assert torch.equal(buffer[:10].cpu(), torch.arange(10, dtype=torch.float32))
+
+
+@pytest.mark.skipif(
+    shutil.which("nvidia-cuda-mps-control") is None,
+    reason="needs NVIDIA's MPS control daemon on PATH",
+)
+def test_mps_sharing_runs_under_the_runs_own_daemon_and_syncs_every_step(tmp_path, tiny_model):
+    """``rollout.gpu_sharing=mps``: the nodes are clients of a daemon the run starts (its logs
+    in the run folder) and ends; CUDA IPC weight sync works between the two MPS clients."""
+    before = set(Path(tempfile.gettempdir()).glob("arl-mps-*"))
+    cfg = gpu_config(tmp_path, tiny_model, 1, "rollout.gpu_sharing=mps")
+    _run_and_check(cfg, "auto (ipc_buffer) under MPS")
+    log = cfg.run_path / "mps" / "daemon.out"  # in the foreground it logs to its stdout
+    text = log.read_text() if log.exists() else ""
+    assert "Server" in text and "Exit" in text, (
+        f"the run's own daemon did not serve and end:\n{text}"
+    )
+    left = set(Path(tempfile.gettempdir()).glob("arl-mps-*")) - before
+    assert not left, f"the daemon's pipe folder was left behind: {left}"

@@ -29,3 +29,46 @@ def test_plan_gpus_are_mapped_through_the_launchers_visible_devices(monkeypatch)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert node_env(_spec(1), Config())["CUDA_VISIBLE_DEVICES"] == "1"
     assert node_env(_spec(), Config())["CUDA_VISIBLE_DEVICES"] == ""  # a CPU node sees none
+
+
+def _mps_config() -> Config:
+    cfg = Config()
+    cfg.rollout.gpu_sharing = "mps"
+    return cfg
+
+
+def _colocated_plan() -> list[NodeSpec]:
+    common = dict(rank=0, device="cuda:0", dp_rank=0, tp_size=1, gpu_ids=(0,), colocated=True)
+    return [
+        NodeSpec(node_id=0, role="rollout", engine="hf", **common),
+        NodeSpec(node_id=1, role="train", engine="fsdp", **common),
+    ]
+
+
+def test_mps_nodes_are_clients_and_the_engine_sharing_a_train_gpu_is_held_to_its_share():
+    from arl.control.mps import PIPE_ENV, SHARE_ENV, mps_node_env
+
+    client = {PIPE_ENV: "/tmp/arl-mps-x", "CUDA_MPS_LOG_DIRECTORY": "/runs/r/mps"}
+    rollout = mps_node_env("rollout", (0,), True, client, 40)
+    assert rollout == client | {SHARE_ENV: "40"}
+    assert mps_node_env("train", (0,), False, client, 40) == client  # ranks may use every SM
+    assert mps_node_env("rollout", (1,), False, client, 40) == client  # a GPU of its own
+    assert mps_node_env("rollout", (), False, client, 40) == {}  # a CPU node is no client
+
+
+def test_mps_without_its_daemon_on_path_is_refused_before_any_process_starts(monkeypatch):
+    import pytest
+
+    from arl.config import ConfigError
+    from arl.control.cluster import LaunchRequest, _LocalLauncher
+    from arl.wire.sockets import Security
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    req = LaunchRequest(_mps_config(), _colocated_plan(), Security("s" * 32), ["r0", "t0"])
+    with pytest.raises(ConfigError, match="nvidia-cuda-mps-control.*PATH"):
+        _LocalLauncher(req)
+    cpu = [
+        NodeSpec(node_id=i, role=r, rank=0, device="cpu", engine=e, dp_rank=0, tp_size=1)
+        for i, (r, e) in enumerate((("rollout", "hf"), ("train", "fsdp")))
+    ]
+    _LocalLauncher(LaunchRequest(_mps_config(), cpu, Security("s" * 32), ["r0", "t0"]))
