@@ -133,7 +133,7 @@ class RolloutConfig:
     mps_engine_percent: int = _f(
         50,
         "with gpu_sharing=mps: the share of the GPU's SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) "
-        "an engine on a train rank's GPU may use; the train ranks may use all of them",
+        "an engine on a train rank's GPU may use, 50-100; the train ranks may use all of them",
     )
     stale_sample_policy: Literal["keep", "drop"] = _f(
         "keep", "what to do with a finished sample that is staler than eta"
@@ -663,7 +663,12 @@ def _validation_problems(cfg: Config) -> list[str]:
         except ConfigError as e:
             problems.append(f"{key}: {e}")
     rollout_engine = cfg.rollout.backend.split(":")[0].strip()
-    within("rollout.mps_engine_percent", 1, 100)
+    check(
+        "rollout.mps_engine_percent",
+        50 <= cfg.rollout.mps_engine_percent <= 100,
+        "must be in [50, 100]: on an H200 the hf engine held to 30% decoded garbage (NaN "
+        "log-probs, every completion at max_new_tokens) while 50% decoded correctly",
+    )
     check(
         "rollout.gpu_sharing",
         cfg.rollout.gpu_sharing != "mps" or cfg.cluster.launcher == "local",

@@ -5,7 +5,9 @@ a decode step's small kernels and a training step's large ones never run side by
 MPS (Multi-Process Service) the clients' kernels share the GPU's SMs at once, and each client
 can be held to a share of them (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``). Measured on one H200,
 gsm8k (8 steps): the update ran at 104.6k tokens/s instead of 80.5k and the median step took
-1.78 s instead of 2.50 s, with the engine held to 50% of the SMs (docs/results.md).
+1.66 s instead of 2.50 s, with the engine held to 50% of the SMs (docs/results.md). Held to
+30%, the hf engine decoded garbage there (NaN log-probs; the cause was not found), so the
+share is bounded to 50-100 (`arl.config`).
 
 `MpsDaemon` starts ``nvidia-cuda-mps-control -f`` (in the foreground, so it is an owned child
 like every other process arl starts, `arl.process`) with a private pipe directory: only the

@@ -247,7 +247,7 @@ def test_parse_backend_role_restricts_engines():
         (["gconfig.n_samples=1"], "group normalisation needs gconfig.n_samples >= 2"),
         (["evaluator.max_questions=0"], "evaluator.max_questions=0: must be > 0"),
         (["cluster.n_gpus=-1"], "cluster.n_gpus=-1"),
-        (["rollout.mps_engine_percent=0"], "rollout.mps_engine_percent=0: must be in [1, 100]"),
+        (["rollout.mps_engine_percent=30"], "rollout.mps_engine_percent=30: must be in [50, 100]"),
         (
             ["rollout.gpu_sharing=mps", "cluster.launcher=slurm"],
             "only cluster.launcher=local starts the nodes (here 'slurm')",
