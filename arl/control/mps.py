@@ -4,7 +4,7 @@ Two processes on one GPU without MPS take turns on it: a time slice belongs to o
 a decode step's small kernels and a training step's large ones never run side by side. Under
 MPS (Multi-Process Service) the clients' kernels share the GPU's SMs at once, and each client
 can be held to a share of them (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``). Measured on one H200,
-gsm8k (8 steps): the update ran at 104.6k tokens/s instead of 80.5k and the median step took
+gsm8k (8 steps): the update ran at 106.2k tokens/s instead of 80.5k and the median step took
 1.66 s instead of 2.50 s, with the engine held to 50% of the SMs (docs/results.md). Held to
 30%, the hf engine decoded garbage there (NaN log-probs; the cause was not found), so the
 share is bounded to 50-100 (`arl.config`).
@@ -98,6 +98,9 @@ class MpsDaemon:
         out = open(self.log_dir / "daemon.out", "ab")  # noqa: SIM115 (the child holds it)
         try:
             self.proc = spawn([self.binary, "-f"], env=self._env(), stdout=out, stderr=out)
+        except BaseException:
+            await self.stop()  # the pipe folder
+            raise
         finally:
             out.close()
         deadline = time.monotonic() + _START_TIMEOUT_S
