@@ -7,6 +7,7 @@ A batch is a dict of tensors with rows right-padded to a common length L: ``inpu
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -156,9 +157,7 @@ def pack_rows(
     else:
         total = int(sum(lengths))
         index = torch.nonzero_static(flat, size=total).squeeze(1)
-        bounds = [0]
-        for k in lengths:
-            bounds.append(bounds[-1] + int(k))
+        bounds = [0, *itertools.accumulate(int(k) for k in lengths)]
         cu = torch.tensor(bounds, dtype=torch.int64).to(dev, non_blocking=True)
     ids = input_ids.reshape(-1)[index]
     pos = index % width

@@ -84,11 +84,10 @@ class MpsDaemon:
         return {PIPE_ENV: str(self.pipe_dir), LOG_ENV: str(self.log_dir)}
 
     def _env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in (SHARE_ENV,)}
         # Clients name GPUs relative to the daemon's own view: it sees them all, so a node's
         # CUDA_VISIBLE_DEVICES means what it means without MPS.
-        env.pop("CUDA_VISIBLE_DEVICES", None)
-        return env | self.client_env
+        drop = (SHARE_ENV, "CUDA_VISIBLE_DEVICES")
+        return {k: v for k, v in os.environ.items() if k not in drop} | self.client_env
 
     async def start(self) -> None:
         """Start the daemon and wait for its control socket; a daemon that ends or does not

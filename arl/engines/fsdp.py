@@ -486,19 +486,19 @@ class FSDPEngine:
     @torch.no_grad()
     def _logp(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+        lens = seq_lengths(batch)
         for rows in self._micro_batches(batch, self._token_budget(batch, backward=False)):
             if not rows:
                 self._dummy_pass(model, backward=False)
                 continue
-            sub = select_rows(batch, rows)
-            mb = self._to_device(sub, ("input_ids", "attention_mask"))
+            mb = self._to_device(select_rows(batch, rows), ("input_ids", "attention_mask"))
             logp, _ = forward_logp(
                 model,
                 mb["input_ids"],
                 mb["attention_mask"],
                 self.cfg.temperature,
                 self.layout,
-                seq_lengths(sub),
+                [lens[i] for i in rows],
             )
             out[rows, : logp.shape[1]] = logp.float().cpu()
         return out
@@ -623,20 +623,20 @@ class FSDPEngine:
         n_global = float(self._all_sum(torch.tensor([float(batch["loss_mask"].sum())]))[0])
         keys = _TRAIN_KEYS + tuple(k for k in ("prox_logp", "ref_logp") if k in batch)
         acc = _StatSums(self.device)
+        lens = seq_lengths(batch)
         bins = self._micro_batches(batch, max_tokens_per_mb or self._token_budget(batch))
         for rows in bins:
             if not rows:
                 self._dummy_pass(self.model, backward=True)
                 continue
-            sub = select_rows(batch, rows)
-            mb = self._to_device(sub, keys)
+            mb = self._to_device(select_rows(batch, rows), keys)
             logp, ent = forward_logp(
                 self.model,
                 mb["input_ids"],
                 mb["attention_mask"],
                 self.cfg.temperature,
                 self.layout,
-                seq_lengths(sub),
+                [lens[i] for i in rows],
             )
             loss, stats = self._loss(logp, mb, n_global)
             (loss * self.world_size).backward()
