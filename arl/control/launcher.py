@@ -61,9 +61,13 @@ def node_command(
 
 
 class StderrTail:
-    """Copies a child's stderr pipe to this process's stderr as it arrives and keeps its last
-    lines, for the error that reports the child's exit. A thread, not the event loop, reads the
-    pipe: a busy loop must never make a child block on a full pipe."""
+    """Copies a child's stderr pipe to this process's stderr line by line as it arrives and
+    keeps its last lines, for the error that reports the child's exit. A thread, not the event
+    loop, reads the pipe: a busy loop must never make a child block on a full pipe.
+
+    Only whole lines are copied, and a child that ends mid-line (a progress bar redrawn with
+    ``\r``, cut off when the node is ended) gets its last line ended: otherwise this process's
+    next line, such as the run's ``error:`` line, would continue the child's."""
 
     def __init__(self, pipe: IO[bytes], name: str, keep_bytes: int = 16384):
         self._pipe, self._keep = pipe, keep_bytes
@@ -74,18 +78,30 @@ class StderrTail:
 
     def _pump(self) -> None:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        partial = ""  # the child's current line, not yet ended
         try:
             while chunk := self._pipe.read1(65536):  # type: ignore[attr-defined]
                 text = decoder.decode(chunk)
                 with self._lock:
                     self._tail = (self._tail + text)[-self._keep :]
-                try:
-                    sys.stderr.write(text)
-                    sys.stderr.flush()
-                except (OSError, ValueError):
-                    pass  # our stderr is gone: keep draining, so the child never blocks
+                whole, newline, partial = (partial + text).rpartition("\n")
+                if newline:
+                    self._write(whole + newline)
+                if len(partial) > self._keep:  # a line without end: pass it on as it is
+                    self._write(partial)
+                    partial = ""
         finally:
             self._pipe.close()
+            if partial:
+                self._write(partial + "\n")
+
+    @staticmethod
+    def _write(text: str) -> None:
+        try:
+            sys.stderr.write(text)
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass  # our stderr is gone: keep draining, so the child never blocks
 
     def last_lines(self, n: int = 10, wait_s: float = 1.0) -> list[str]:
         """The last ``n`` lines; waits up to ``wait_s`` for the rest of an ended child's output."""
