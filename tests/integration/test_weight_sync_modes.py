@@ -9,6 +9,7 @@ After every step each engine must hold exactly the trainer's weights (checksum).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 from pathlib import Path
@@ -185,6 +186,21 @@ def test_alternate_gpu_sharing_holds_generation_in_place_while_training(
         await resume(self, version)
 
     monkeypatch.setattr(RolloutController, "resume", observed_resume)
+    held = RolloutController.held
+
+    @contextlib.asynccontextmanager
+    async def held_once_running(self, workers):
+        # The trainer takes its batch the moment the last group of it is accepted, and on a
+        # loaded machine it can enter the hold before the next groups reach the engine: wait
+        # (for a state, not a duration) until the engine runs rows, so the hold has some to keep.
+        for _ in range(1200):
+            if any(h["running"] for h in await asyncio.gather(*(w.health() for w in self.workers))):
+                break
+            await asyncio.sleep(0.05)
+        async with held(self, workers):
+            yield
+
+    monkeypatch.setattr(RolloutController, "held", held_once_running)
 
     async def observed(self, batch):
         before = await self.rollout.workers[0].health()
