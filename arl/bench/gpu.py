@@ -490,7 +490,7 @@ def _train_variant(
     variant: str, path: str, batch: dict, mb_tokens: int | None
 ) -> tuple[dict, torch.Tensor]:
     from arl.config import ActorConfig
-    from arl.engines.fsdp import FSDPEngine
+    from arl.train.fsdp import FSDPEngine
     from arl.wire.addresses import free_port
 
     port = free_port()

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from arl.algo.packing import concat_shards
-from arl.engines.fsdp import FSDPEngine
 from arl.engines.hf import checksum_named_tensors
+from arl.train.fsdp import FSDPEngine
 from arl.wire.codec import parse_dtype
 
 

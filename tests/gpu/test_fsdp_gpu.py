@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from arl.bench.gpu import SMOLLM2_135M, synthetic_train_batch
 from arl.config import ActorConfig
-from arl.engines.fsdp import FSDPEngine
+from arl.train.fsdp import FSDPEngine
 
 pytestmark = [
     pytest.mark.gpu,

@@ -73,7 +73,7 @@ def rank_main(spec: dict) -> None:
     """
     from arl.algo.packing import concat_shards
     from arl.config import ActorConfig
-    from arl.engines.fsdp import FSDPEngine
+    from arl.train.fsdp import FSDPEngine
 
     torch.set_num_threads(1)
     rank, out = spec["rank"], Path(spec["out"])
@@ -324,7 +324,7 @@ def test_update_without_proximal_log_probs_names_the_pass_it_needs(tmp_path):
     """With two minibatches the second starts from moved weights: the pass is required."""
     from arl.algo.packing import concat_shards
     from arl.config import ActorConfig
-    from arl.engines.fsdp import FSDPEngine
+    from arl.train.fsdp import FSDPEngine
 
     model = save_tiny_llama(tmp_path / "model", seed=0)
     cfg = ActorConfig(path=str(model), lr=1e-3, ppo_n_minibatches=2)
@@ -349,7 +349,7 @@ def test_update_without_proximal_log_probs_names_the_pass_it_needs(tmp_path):
 )
 def test_bad_settings_fail_before_any_process_group(overrides, match):
     from arl.config import ActorConfig, ConfigError
-    from arl.engines.fsdp import FSDPEngine
+    from arl.train.fsdp import FSDPEngine
 
     with pytest.raises(ConfigError, match=match):
         FSDPEngine(ActorConfig(**overrides), rank=0, world_size=1, init_method="tcp://unused:1")

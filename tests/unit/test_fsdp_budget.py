@@ -9,7 +9,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from arl.config import ActorConfig, ConfigError
-from arl.engines.fsdp import FSDPEngine, _full, _resolve_layout
+from arl.train.fsdp import FSDPEngine
+from arl.train.logp import resolve_layout
+from arl.train.sharding import full_tensor
 
 torch.set_num_threads(1)
 
@@ -55,10 +57,10 @@ def test_cpu_defaults_to_padded_rows_and_an_8192_token_budget(model_dir):
 
 
 def test_layout_resolution():
-    assert _resolve_layout("auto", torch.device("cpu")) == "padded"
-    assert _resolve_layout("packed", torch.device("cpu")) == "packed"
+    assert resolve_layout("auto", torch.device("cpu")) == "padded"
+    assert resolve_layout("packed", torch.device("cpu")) == "packed"
     with pytest.raises(ConfigError, match="actor.layout must be auto, packed or padded"):
-        _resolve_layout("dense", torch.device("cpu"))
+        resolve_layout("dense", torch.device("cpu"))
 
 
 def test_cpu_warm_up_runs_one_tiny_pass_and_leaves_no_gradients(model_dir):
@@ -70,13 +72,13 @@ def test_cpu_warm_up_runs_one_tiny_pass_and_leaves_no_gradients(model_dir):
         lambda _m, args, kwargs: tokens.append(kwargs["input_ids"].numel()), with_kwargs=True
     )
     try:
-        before = [_full(p.detach()).clone() for p in eng.model.parameters()]
+        before = [full_tensor(p.detach()).clone() for p in eng.model.parameters()]
         assert eng.warm_up() == eng.warm_up_s > 0
         # Nothing compiles on CPU: the warm-up's passes are only compute that the first rollout
         # would lose, so they are one tiny batch (with and without backward), not real shapes.
         assert len(tokens) == 2 and sum(tokens) <= 16
         assert all(p.grad is None for p in eng.model.parameters())
-        after = [_full(p.detach()) for p in eng.model.parameters()]
+        after = [full_tensor(p.detach()) for p in eng.model.parameters()]
         assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     finally:
         hook.remove()

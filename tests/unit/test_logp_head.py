@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from arl.algo.losses import token_logp_entropy
-from arl.engines.fsdp import ChunkedLogpHead, forward_logp
+from arl.train.logp import ChunkedLogpHead, forward_logp
 
 torch.set_num_threads(1)
 
@@ -77,9 +77,9 @@ def test_head_refuses_a_non_positive_temperature() -> None:
 
 
 def test_models_that_rescale_logits_keep_the_plain_head() -> None:
-    from arl.engines.fsdp import _transforms_logits
+    from arl.train.logp import transforms_logits
 
-    assert not _transforms_logits(tiny_model().config)
+    assert not transforms_logits(tiny_model().config)
     cfg = tiny_model().config
     cfg.final_logit_softcapping = 30.0  # Gemma-2 caps the logits after the output layer
-    assert _transforms_logits(cfg)
+    assert transforms_logits(cfg)

@@ -16,7 +16,7 @@ from arl.algo.packing import (
     seq_lengths,
     unpack_values,
 )
-from arl.engines.fsdp import forward_logp
+from arl.train.logp import forward_logp
 
 T, F = True, False
 

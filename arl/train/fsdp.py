@@ -1,29 +1,26 @@
 """One FSDP2 training rank: log-probs, advantages and the PPO/GRPO update of a HF causal LM.
 
-`FSDPEngine` is a plain object with blocking methods; the node daemon runs them on one engine
-thread. Every method that touches the model or the batch statistics is collective: all ranks
-of the process group call it, in the same order, with their own share of the batch (see
-`arl.algo.packing.concat_shards` for the batch layout).
+The model is loaded and sharded by `arl.train.sharding`, its log-probs come from
+`arl.train.logp` and the maths of the update from `arl.algo`. `FSDPEngine` is a plain object
+with blocking methods; the node daemon runs them on one engine thread. Every method that
+touches the model or the batch statistics is collective: all ranks of the process group call
+it, in the same order, with their own share of the batch (see `arl.algo.packing.concat_shards`
+for the batch layout).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import shutil
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
+from torch.distributed.device_mesh import init_device_mesh
 
 from arl.algo.advantages import (
     gae_advantages,
@@ -31,25 +28,25 @@ from arl.algo.advantages import (
     normalize_advantages,
     token_rewards,
 )
-from arl.algo.losses import kl_estimate, ppo_loss, token_logp_entropy
+from arl.algo.losses import kl_estimate, ppo_loss
 from arl.algo.packing import (
     agree_count,
     balanced_partition,
     ffd_bins,
     micro_batches,
-    pack_rows,
     select_rows,
     seq_lengths,
-    unpack_values,
 )
 from arl.algo.rewards import normalize_rewards, transform_rewards
 from arl.algo.schedule import lr_at
 from arl.config import ActorConfig, ConfigError
+from arl.train.logp import Layout, forward_logp, resolve_layout, varlen_available
+from arl.train.sharding import compute_dtype, full_tensor, load_sharded, local_tensor
+from arl.train.stats import StatSums
 from arl.wire.rendezvous import split_tcp_url, tcp_store
 
 log = logging.getLogger(__name__)
 
-Layout = Literal["packed", "padded"]
 # Files copied next to saved weights so that the export loads as a complete HF model folder.
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -61,292 +58,6 @@ _TOKENIZER_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
-
-
-def forward_logp(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    temperature: float,
-    layout: Layout = "padded",
-    lengths: Sequence[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob and entropy [n, L] of right-padded rows, 0 at position 0 and on padding.
-
-    ``packed`` runs the model on one row holding every sequence (position_ids restart per
-    sequence). With the varlen attention of `_load_sharded` (CUDA) that row costs what its
-    tokens cost: no padding, no mask. Without it transformers builds a dense block-diagonal
-    mask, O(total_tokens^2) in time and memory (~14 GB and minutes for 6k tokens on CPU), so
-    ``padded`` (the rows as they are, O(n * L^2)) is the layout for CPU.
-    The log-probs come from `ChunkedLogpHead` when the model has one: the fp32 logits of a
-    micro-batch are never materialised at once. ``lengths`` (each row's attended tokens, as
-    the host knows them) spares the packed layout its reads of sizes from the device: on a
-    GPU time-shared with an inference engine each such read waits for the engine's turn too.
-    """
-    if layout == "packed":
-        row = pack_rows(input_ids, attention_mask, lengths)
-        kw = {}
-        if getattr(model.config, "_attn_implementation", "") == VARLEN_ATTENTION:
-            cu = row.cu_seqlens.to(torch.int32)
-            longest = max(lengths) if lengths else int(attention_mask.sum(dim=1).max())
-            kw = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": int(longest)}
-        logp, ent = _logp_entropy(model, row.input_ids, row.position_ids, temperature, **kw)
-        return (
-            unpack_values(logp[0], attention_mask, row.index),
-            unpack_values(ent[0], attention_mask, row.index),
-        )
-    if layout != "padded":
-        raise ValueError(f"layout must be 'packed' or 'padded', got {layout!r}")
-    if getattr(model.config, "_attn_implementation", "") == VARLEN_ATTENTION:
-        # Such a model is given no mask (`_register_varlen`): padding would be attended.
-        raise ValueError("a model loaded for packed rows (varlen attention) cannot run padded rows")
-    pos = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    logp, ent = _logp_entropy(model, input_ids, pos, temperature, attention_mask=attention_mask)
-    mask = attention_mask.bool()
-    return torch.where(mask, logp, 0.0), torch.where(mask, ent, 0.0)
-
-
-def _logp_entropy(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    temperature: float,
-    **kwargs: object,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    head = model.get_output_embeddings()
-    if isinstance(getattr(head, "arl_logp", None), ChunkedLogpHead):
-        with head.arl_logp.targets(input_ids, temperature):
-            out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
-        logp, ent = out.logits.unbind(-1)
-        starts = position_ids == 0
-        # The entropy is a statistic, as in token_logp_entropy: no gradient.
-        return torch.where(starts, 0.0, logp), torch.where(starts, 0.0, ent.detach())
-    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs).logits
-    return token_logp_entropy(logits, input_ids, position_ids, temperature)
-
-
-class ChunkedLogpHead:
-    """Turns a model's output layer into log-prob + entropy of given targets, chunk by chunk.
-
-    Installed on the ``lm_head`` Linear (its forward is replaced, its weight and state-dict
-    names stay), so it runs inside the root module's forward, where FSDP has the weight
-    gathered. While `targets` is active the head returns [B, T, 2] float32: position t holds
-    log_softmax(z[t-1] / T)[id_t] and the entropy of softmax(z[t-1] / T) (0 at t = 0). Each
-    chunk of ``chunk_tokens`` positions computes its fp32 logits, logsumexp and gather, and
-    keeps nothing for backward but its input: the backward recomputes the chunk's logits
-    (torch.utils.checkpoint), so memory is one chunk's [chunk, V] instead of the micro-batch's.
-    Outside `targets` it is the plain Linear.
-    """
-
-    def __init__(self, linear: torch.nn.Linear, chunk_tokens: int) -> None:
-        self.linear, self.chunk_tokens = linear, chunk_tokens
-        self._ids: torch.Tensor | None = None
-        self._inv_temp = 1.0
-        self._plain = linear.forward
-        linear.arl_logp = self
-        linear.forward = self.forward
-
-    @contextlib.contextmanager
-    def targets(self, input_ids: torch.Tensor, temperature: float) -> Iterator[None]:
-        """Within this block the head computes log-probs of ``input_ids`` [B, T]."""
-        if temperature <= 0:
-            raise ValueError(f"temperature must be positive for log-probs, got {temperature}")
-        self._ids, self._inv_temp = input_ids, 1.0 / temperature
-        try:
-            yield
-        finally:
-            self._ids = None
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        ids = self._ids
-        if ids is None:
-            return self._plain(hidden)
-        b, t, _ = hidden.shape
-        h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-        tgt = ids[:, 1:].reshape(-1)
-        w, bias = self.linear.weight, self.linear.bias
-        parts = []
-        for i in range(0, h.shape[0], self.chunk_tokens):
-            sl = slice(i, i + self.chunk_tokens)
-            if torch.is_grad_enabled():
-                parts.append(
-                    checkpoint(
-                        _chunk_logp, h[sl], w, bias, tgt[sl], self._inv_temp, use_reentrant=False
-                    )
-                )
-            else:
-                parts.append(_chunk_logp(h[sl], w, bias, tgt[sl], self._inv_temp))
-        out = torch.cat(parts, dim=0).reshape(b, t - 1, 2)
-        return torch.cat([out.new_zeros(b, 1, 2), out], dim=1)
-
-
-def _chunk_logp(
-    h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor, inv_t: float
-) -> torch.Tensor:
-    z = torch.nn.functional.linear(h, w, bias).float() * inv_t
-    lse = torch.logsumexp(z, dim=-1)
-    logp = z.gather(-1, tgt[:, None]).squeeze(-1) - lse
-    with torch.no_grad():  # a statistic only; exp(z - lse) is the softmax, lse already known
-        ent = lse - (torch.exp(z - lse[:, None]) * z).sum(-1)
-    return torch.stack([logp, ent], dim=-1)
-
-
-# The varlen attention of packed rows (CUDA): one flash-attention call over the concatenated
-# sequences, told apart by cu_seqlens; without those kwargs (a pass with no rows to tell apart,
-# e.g. `FSDPEngine._dummy_pass`) it is stock causal sdpa.
-VARLEN_ATTENTION = "arl_varlen"
-
-
-def _varlen_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: object,
-) -> tuple[torch.Tensor, None]:
-    """Attention for transformers: [1, H, T, D] packed queries -> [1, T, H, D] outputs."""
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    if dropout:
-        raise ValueError(
-            f"the varlen attention of packed rows has no dropout, and this model trains with "
-            f"attention dropout {dropout}; set actor.layout=padded"
-        )
-    from torch.nn.attention.varlen import varlen_attn
-
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
-    if k.shape[1] != q.shape[1]:  # grouped-query heads: each KV head serves a group of heads
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    m = int(kwargs["max_length_q"])
-    out = varlen_attn(q, k, v, cu, cu, m, m, scale=scaling, **_CAUSAL)
-    return out[None], None
-
-
-def _causal_kwarg() -> dict:
-    """torch 2.9-2.11 take ``is_causal``; later versions a causal ``window_size``."""
-    try:
-        import inspect
-
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return {}
-    params = inspect.signature(varlen_attn).parameters
-    return {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
-
-
-_CAUSAL = _causal_kwarg()
-
-
-def varlen_available(device: torch.device) -> bool:
-    """Whether packed rows can run on ``device`` without a dense mask (CUDA + torch varlen)."""
-    return device.type == "cuda" and bool(_CAUSAL)
-
-
-def _register_varlen() -> str:
-    # Only the attention function: with no mask function registered under this name,
-    # transformers builds no mask for it (packed rows need none), and skips its scan of the
-    # position_ids for packed sequences, which reads a result back from the device.
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(VARLEN_ATTENTION, _varlen_attention)
-    return VARLEN_ATTENTION
-
-
-def _compute_dtype(cfg: ActorConfig, device: torch.device) -> torch.dtype:
-    if cfg.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
-
-
-def _load_sharded(
-    path: str,
-    mesh: DeviceMesh,
-    compute_dtype: torch.dtype,
-    *,
-    trainable: bool,
-    gradient_checkpointing: bool,
-    varlen: bool = False,
-    compile_layers: bool = False,
-) -> torch.nn.Module:
-    """Load a HF causal LM and shard it with FSDP2: each decoder layer (on more than one rank)
-    and the root.
-
-    The trainable model keeps fp32 master weights and computes in ``compute_dtype`` with fp32
-    gradient reduction; the frozen reference is loaded directly in ``compute_dtype``. ``varlen``
-    runs attention through `_varlen_attention` (packed rows without masks); the output layer
-    gets a `ChunkedLogpHead`; ``compile_layers`` compiles each decoder layer.
-    """
-    from transformers import AutoModelForCausalLM
-
-    from arl.engines.model import resolve_model
-
-    local = resolve_model(path)
-    model = AutoModelForCausalLM.from_pretrained(
-        local,
-        dtype=torch.float32 if trainable else compute_dtype,
-        attn_implementation=_register_varlen() if varlen else "sdpa",
-    )
-    model.config.use_cache = False
-    head = model.get_output_embeddings()
-    if isinstance(head, torch.nn.Linear) and not _transforms_logits(model.config):
-        # ~1 GiB of fp32 logits per chunk at most, whatever the vocabulary.
-        ChunkedLogpHead(head, max(256, (1 << 28) // head.out_features))
-    if gradient_checkpointing and trainable:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if not trainable:
-        model.requires_grad_(False)
-        model.eval()
-    mp = None
-    if compute_dtype != torch.float32 and trainable:
-        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    kwargs = {"mesh": mesh} | ({"mp_policy": mp} if mp is not None else {})
-    # HF lists its decoder-layer classes in _no_split_modules: one FSDP unit per layer bounds
-    # the all-gathered memory to one layer at a time. One rank gathers nothing (its shard is
-    # the whole model), so there the root is the only unit: one copy and cast per pass instead
-    # of one per layer, whose per-unit hooks bound a small model's step on the host.
-    layer_names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in layer_names]
-    if not layers:
-        raise RuntimeError(
-            f"found no decoder layers in {type(model).__name__} (its _no_split_modules is "
-            f"{sorted(layer_names)}); FSDP needs a HF causal LM with per-layer modules"
-        )
-    for layer in layers:
-        if mesh.size() > 1:
-            fully_shard(layer, **kwargs)
-        if compile_layers:
-            # Per layer, not the whole model: FSDP's hooks stay outside the compiled region, and
-            # every layer shares one compiled graph (dynamic token counts).
-            layer.compile(dynamic=True)
-    fully_shard(model, **kwargs)
-    return model
-
-
-# Config fields of transformers models whose forward changes the logits after the output layer
-# (Gemma's soft-capping, Cohere's and Granite's scales): the chunked head's log-probs would pass
-# through that too, so those models keep the plain logits path.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-
-
-def _transforms_logits(config: object) -> bool:
-    return any(getattr(config, k, None) not in (None, 1, 1.0) for k in _LOGIT_TRANSFORMS)
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class FSDPEngine:
@@ -383,10 +94,10 @@ class FSDPEngine:
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size)
         torch.manual_seed(seed)
         self.mesh = init_device_mesh(self.device.type, (world_size,))
-        self.compute_dtype = _compute_dtype(cfg, self.device)
-        self.layout: Layout = _resolve_layout(cfg.layout, self.device)
+        self.compute_dtype = compute_dtype(cfg, self.device)
+        self.layout: Layout = resolve_layout(cfg.layout, self.device)
         varlen = self.layout == "packed" and varlen_available(self.device)
-        self.model = _load_sharded(
+        self.model = load_sharded(
             cfg.path,
             self.mesh,
             self.compute_dtype,
@@ -409,7 +120,7 @@ class FSDPEngine:
         )
         self.ref: torch.nn.Module | None = None
         if cfg.kl_ctl > 0:
-            self.ref = _load_sharded(
+            self.ref = load_sharded(
                 ref_path or cfg.path,
                 self.mesh,
                 self.compute_dtype,
@@ -622,7 +333,7 @@ class FSDPEngine:
         """
         n_global = float(self._all_sum(torch.tensor([float(batch["loss_mask"].sum())]))[0])
         keys = _TRAIN_KEYS + tuple(k for k in ("prox_logp", "ref_logp") if k in batch)
-        acc = _StatSums(self.device)
+        acc = StatSums(self.device)
         lens = seq_lengths(batch)
         bins = self._micro_batches(batch, max_tokens_per_mb or self._token_budget(batch))
         for rows in bins:
@@ -679,7 +390,7 @@ class FSDPEngine:
     def _clip_gradients(self) -> float:
         """Global L2 norm of the gradients (all ranks), clipped to cfg.grad_clip when finite."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        total = _full(torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0))
+        total = full_tensor(torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0))
         norm = float(total)
         if math.isfinite(norm):
             torch.nn.utils.clip_grads_with_norm_(params, self.cfg.grad_clip, total)
@@ -690,7 +401,7 @@ class FSDPEngine:
         for name, p in self.model.named_parameters():
             if p.grad is None:
                 continue
-            full = _full(p.grad)
+            full = full_tensor(p.grad)
             if self.rank == 0:
                 yield name, full.detach()
 
@@ -711,7 +422,7 @@ class FSDPEngine:
                 yield name, t if dtype is None else t.to(dtype)
             return
         for name, t in self.model.state_dict().items():
-            full = _full(t).detach()
+            full = full_tensor(t).detach()
             if self.rank == 0:
                 yield name, full if dtype is None else full.to(dtype)
 
@@ -725,12 +436,12 @@ class FSDPEngine:
         if self.world_size != 1:
             return None
         tensors = [*self.model.parameters(), *self.model.buffers()]
-        key = [(id(t), _local(t).data_ptr()) for t in tensors]
+        key = [(id(t), local_tensor(t).data_ptr()) for t in tensors]
         if self._sources is not None and key == self._sources_key:
             return self._sources
         out = []
         for name, t in self.model.state_dict().items():
-            local = _local(t)
+            local = local_tensor(t)
             if tuple(local.shape) != tuple(t.shape):
                 return None
             out.append((name, local.detach()))
@@ -742,7 +453,7 @@ class FSDPEngine:
         first: dict[tuple[int, tuple[int, ...]], str] = {}
         tied = {}
         for name, t in self.model.state_dict().items():
-            key = (_local(t).data_ptr(), tuple(t.shape))
+            key = (local_tensor(t).data_ptr(), tuple(t.shape))
             if key in first:
                 tied[name] = first[key]
             else:
@@ -830,23 +541,14 @@ class FSDPEngine:
         return dev.cpu()
 
 
-def _resolve_layout(layout: str, device: torch.device) -> Layout:
-    """``auto``: packed rows where varlen attention runs them without a mask, else padded."""
-    if layout == "auto":
-        return "packed" if varlen_available(device) else "padded"
-    if layout not in ("packed", "padded"):
-        raise ConfigError(f"actor.layout must be auto, packed or padded, got {layout!r}")
-    return layout  # type: ignore[return-value]
-
-
 def _activation_bytes_per_token(config: object, cfg: ActorConfig) -> float:
     """Bytes of activations one trained token keeps for backward, from the model's shape.
 
     Per decoder layer in 16-bit: ~34 x hidden (norm inputs and outputs, q/k/v, attention
     output, residuals, fp32 norm statistics) and ~10 x intermediate (gate, up, activation,
-    product); gradient checkpointing keeps only each layer's input. Measured peaks on an H200
-    An estimate (on an H200: SmolLM2-135M peaked at ~1.0 MB a token against 1.06 estimated,
-    Qwen2.5-1.5B's shape at ~3.0 MB against 3.96); taking half the free memory is the margin.
+    product); gradient checkpointing keeps only each layer's input. An estimate (on an H200:
+    SmolLM2-135M peaked at ~1.0 MB a token against 1.06 estimated, Qwen2.5-1.5B's shape at
+    ~3.0 MB against 3.96); taking half the free memory is the margin.
     """
     hidden = int(getattr(config, "hidden_size", 1024))
     inter = int(getattr(config, "intermediate_size", 4 * hidden))
@@ -884,57 +586,3 @@ def _check_config(cfg: ActorConfig, total_steps: int | None) -> None:
 
 
 _TRAIN_KEYS = ("input_ids", "attention_mask", "loss_mask", "advantages", "logprobs")
-
-
-class _StatSums:
-    """Token-weighted sums of micro-batch stats, kept on the device (no per-step host syncs)
-    and reduced over ranks once per mini-batch."""
-
-    def __init__(self, device: torch.device) -> None:
-        # loss, entropy, kl, clip_frac, approx_kl, imp_weight_mean, rejected_frac, kept tokens
-        self.sums = torch.zeros(8, dtype=torch.float64, device=device)
-        self.extremes = torch.full((2,), -math.inf, dtype=torch.float64, device=device)
-
-    def add(
-        self,
-        loss: torch.Tensor,
-        st: dict[str, torch.Tensor],
-        mask: torch.Tensor,
-        entropy: torch.Tensor,
-        kl: torch.Tensor | None,
-    ) -> None:
-        kept = st["n_tokens"].double()
-        zero = torch.zeros((), device=loss.device)
-        self.sums += torch.stack(
-            [
-                loss.double(),
-                torch.where(mask, entropy, 0.0).sum().double(),
-                torch.where(mask, kl, 0.0).sum().double() if kl is not None else zero.double(),
-                st["clip_frac"] * kept,
-                st["approx_kl"] * kept,
-                st.get("imp_weight_mean", zero) * kept,
-                st.get("rejected_frac", zero) * mask.sum(),
-                kept,
-            ]
-        ).double()
-        if "imp_weight_max" in st:
-            w = torch.stack([st["imp_weight_max"], -st["imp_weight_min"]]).double()
-            self.extremes = torch.maximum(self.extremes, w)
-
-    def reduce(self, all_sum: Callable, all_max: Callable, n_tokens: float) -> dict[str, float]:
-        """Global stats: loss summed, entropy/kl per loss token, the rest per kept token."""
-        s = all_sum(self.sums).tolist()
-        e = all_max(self.extremes).tolist()
-        denom, kept = max(n_tokens, 1.0), max(s[7], 1.0)
-        return {
-            "loss": s[0],
-            "entropy": s[1] / denom,
-            "kl": s[2] / denom,
-            "clip_frac": s[3] / kept,
-            "approx_kl": s[4] / kept,
-            "n_tokens": n_tokens,
-            "imp_weight_mean": s[5] / kept,
-            "rejected_frac": s[6] / denom,
-            "imp_weight_max": e[0],
-            "imp_weight_min": -e[1],
-        }

@@ -1,0 +1,243 @@
+"""Log-probs and entropy of a causal LM's tokens, as the training rank computes them.
+
+`forward_logp` runs the model on right-padded rows, or packs them into one row (``packed``)
+where the varlen attention registered by `register_varlen` runs them without a mask (CUDA,
+`varlen_available`); `resolve_layout` picks between the two. `ChunkedLogpHead` turns the output
+layer into log-prob and entropy of the given targets chunk by chunk, so a micro-batch's fp32
+logits are never materialised at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Literal
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from arl.algo.losses import token_logp_entropy
+from arl.algo.packing import pack_rows, unpack_values
+from arl.config import ConfigError
+
+Layout = Literal["packed", "padded"]
+
+
+def forward_logp(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float,
+    layout: Layout = "padded",
+    lengths: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob and entropy [n, L] of right-padded rows, 0 at position 0 and on padding.
+
+    ``packed`` runs the model on one row holding every sequence (position_ids restart per
+    sequence). With the varlen attention of `register_varlen` (CUDA) that row costs what its
+    tokens cost: no padding, no mask. Without it transformers builds a dense block-diagonal
+    mask, O(total_tokens^2) in time and memory (~14 GB and minutes for 6k tokens on CPU), so
+    ``padded`` (the rows as they are, O(n * L^2)) is the layout for CPU.
+    The log-probs come from `ChunkedLogpHead` when the model has one: the fp32 logits of a
+    micro-batch are never materialised at once. ``lengths`` (each row's attended tokens, as
+    the host knows them) spares the packed layout its reads of sizes from the device: on a
+    GPU time-shared with an inference engine each such read waits for the engine's turn too.
+    """
+    if layout == "packed":
+        row = pack_rows(input_ids, attention_mask, lengths)
+        kw = {}
+        if getattr(model.config, "_attn_implementation", "") == VARLEN_ATTENTION:
+            cu = row.cu_seqlens.to(torch.int32)
+            longest = max(lengths) if lengths else int(attention_mask.sum(dim=1).max())
+            kw = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": int(longest)}
+        logp, ent = _logp_entropy(model, row.input_ids, row.position_ids, temperature, **kw)
+        return (
+            unpack_values(logp[0], attention_mask, row.index),
+            unpack_values(ent[0], attention_mask, row.index),
+        )
+    if layout != "padded":
+        raise ValueError(f"layout must be 'packed' or 'padded', got {layout!r}")
+    if getattr(model.config, "_attn_implementation", "") == VARLEN_ATTENTION:
+        # Such a model is given no mask (`register_varlen`): padding would be attended.
+        raise ValueError("a model loaded for packed rows (varlen attention) cannot run padded rows")
+    pos = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    logp, ent = _logp_entropy(model, input_ids, pos, temperature, attention_mask=attention_mask)
+    mask = attention_mask.bool()
+    return torch.where(mask, logp, 0.0), torch.where(mask, ent, 0.0)
+
+
+def _logp_entropy(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    temperature: float,
+    **kwargs: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    head = model.get_output_embeddings()
+    if isinstance(getattr(head, "arl_logp", None), ChunkedLogpHead):
+        with head.arl_logp.targets(input_ids, temperature):
+            out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
+        logp, ent = out.logits.unbind(-1)
+        starts = position_ids == 0
+        # The entropy is a statistic, as in token_logp_entropy: no gradient.
+        return torch.where(starts, 0.0, logp), torch.where(starts, 0.0, ent.detach())
+    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs).logits
+    return token_logp_entropy(logits, input_ids, position_ids, temperature)
+
+
+class ChunkedLogpHead:
+    """Turns a model's output layer into log-prob + entropy of given targets, chunk by chunk.
+
+    Installed on the ``lm_head`` Linear (its forward is replaced, its weight and state-dict
+    names stay), so it runs inside the root module's forward, where FSDP has the weight
+    gathered. While `targets` is active the head returns [B, T, 2] float32: position t holds
+    log_softmax(z[t-1] / T)[id_t] and the entropy of softmax(z[t-1] / T) (0 at t = 0). Each
+    chunk of ``chunk_tokens`` positions computes its fp32 logits, logsumexp and gather, and
+    keeps nothing for backward but its input: the backward recomputes the chunk's logits
+    (torch.utils.checkpoint), so memory is one chunk's [chunk, V] instead of the micro-batch's.
+    Outside `targets` it is the plain Linear.
+    """
+
+    def __init__(self, linear: torch.nn.Linear, chunk_tokens: int) -> None:
+        self.linear, self.chunk_tokens = linear, chunk_tokens
+        self._ids: torch.Tensor | None = None
+        self._inv_temp = 1.0
+        self._plain = linear.forward
+        linear.arl_logp = self
+        linear.forward = self.forward
+
+    @contextlib.contextmanager
+    def targets(self, input_ids: torch.Tensor, temperature: float) -> Iterator[None]:
+        """Within this block the head computes log-probs of ``input_ids`` [B, T]."""
+        if temperature <= 0:
+            raise ValueError(f"temperature must be positive for log-probs, got {temperature}")
+        self._ids, self._inv_temp = input_ids, 1.0 / temperature
+        try:
+            yield
+        finally:
+            self._ids = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        ids = self._ids
+        if ids is None:
+            return self._plain(hidden)
+        b, t, _ = hidden.shape
+        h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+        tgt = ids[:, 1:].reshape(-1)
+        w, bias = self.linear.weight, self.linear.bias
+        parts = []
+        for i in range(0, h.shape[0], self.chunk_tokens):
+            sl = slice(i, i + self.chunk_tokens)
+            if torch.is_grad_enabled():
+                parts.append(
+                    checkpoint(
+                        _chunk_logp, h[sl], w, bias, tgt[sl], self._inv_temp, use_reentrant=False
+                    )
+                )
+            else:
+                parts.append(_chunk_logp(h[sl], w, bias, tgt[sl], self._inv_temp))
+        out = torch.cat(parts, dim=0).reshape(b, t - 1, 2)
+        return torch.cat([out.new_zeros(b, 1, 2), out], dim=1)
+
+
+def _chunk_logp(
+    h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor, inv_t: float
+) -> torch.Tensor:
+    z = torch.nn.functional.linear(h, w, bias).float() * inv_t
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, tgt[:, None]).squeeze(-1) - lse
+    with torch.no_grad():  # a statistic only; exp(z - lse) is the softmax, lse already known
+        ent = lse - (torch.exp(z - lse[:, None]) * z).sum(-1)
+    return torch.stack([logp, ent], dim=-1)
+
+
+# The varlen attention of packed rows (CUDA): one flash-attention call over the concatenated
+# sequences, told apart by cu_seqlens; without those kwargs (a pass with no rows to tell apart,
+# e.g. `FSDPEngine._dummy_pass`) it is stock causal sdpa.
+VARLEN_ATTENTION = "arl_varlen"
+
+
+def _varlen_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Attention for transformers: [1, H, T, D] packed queries -> [1, T, H, D] outputs."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    if dropout:
+        raise ValueError(
+            f"the varlen attention of packed rows has no dropout, and this model trains with "
+            f"attention dropout {dropout}; set actor.layout=padded"
+        )
+    from torch.nn.attention.varlen import varlen_attn
+
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
+    if k.shape[1] != q.shape[1]:  # grouped-query heads: each KV head serves a group of heads
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    m = int(kwargs["max_length_q"])
+    out = varlen_attn(q, k, v, cu, cu, m, m, scale=scaling, **_CAUSAL)
+    return out[None], None
+
+
+def _causal_kwarg() -> dict:
+    """torch 2.9-2.11 take ``is_causal``; later versions a causal ``window_size``."""
+    try:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return {}
+    params = inspect.signature(varlen_attn).parameters
+    return {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+
+
+_CAUSAL = _causal_kwarg()
+
+
+def varlen_available(device: torch.device) -> bool:
+    """Whether packed rows can run on ``device`` without a dense mask (CUDA + torch varlen)."""
+    return device.type == "cuda" and bool(_CAUSAL)
+
+
+def register_varlen() -> str:
+    """Register the varlen attention with transformers; returns its ``attn_implementation``."""
+    # Only the attention function: with no mask function registered under this name,
+    # transformers builds no mask for it (packed rows need none), and skips its scan of the
+    # position_ids for packed sequences, which reads a result back from the device.
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN_ATTENTION, _varlen_attention)
+    return VARLEN_ATTENTION
+
+
+# Config fields of transformers models whose forward changes the logits after the output layer
+# (Gemma's soft-capping, Cohere's and Granite's scales): the chunked head's log-probs would pass
+# through that too, so those models keep the plain logits path.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def transforms_logits(config: object) -> bool:
+    """Whether the model's forward changes its logits after the output layer (then the
+    `ChunkedLogpHead` must not replace that layer)."""
+    return any(getattr(config, k, None) not in (None, 1, 1.0) for k in _LOGIT_TRANSFORMS)
+
+
+def resolve_layout(layout: str, device: torch.device) -> Layout:
+    """``auto``: packed rows where varlen attention runs them without a mask, else padded."""
+    if layout == "auto":
+        return "packed" if varlen_available(device) else "padded"
+    if layout not in ("packed", "padded"):
+        raise ConfigError(f"actor.layout must be auto, packed or padded, got {layout!r}")
+    return layout  # type: ignore[return-value]
