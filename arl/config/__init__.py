@@ -1,0 +1,71 @@
+"""The arl configuration: the tree of sections, dotted overrides, backend strings, validation and
+YAML round trips, one module each; everything a caller needs is importable from here.
+
+A recipe builds a `Config` (`tree`); `python -m arl.launch RECIPE key.sub=value ...` applies
+overrides with `apply_overrides` (`overrides`), checks the result with `Config.validate`
+(`validate`) and saves it with `save_resolved` (`files`, which also prints ``--help``). Engine
+placement is written as backend strings, `parse_backend` (`backend`).
+"""
+
+from arl.config.backend import ROLLOUT_ENGINES, TRAIN_ENGINES, Backend, parse_backend
+from arl.config.files import converter, from_yaml, help_text, load_yaml, save_resolved, to_yaml
+from arl.config.overrides import apply_overrides, convert_value
+from arl.config.tree import (
+    ActorConfig,
+    ClusterConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    EvaluatorConfig,
+    ExperimentConfig,
+    GenerationConfig,
+    MiB,
+    Norm,
+    RecoverConfig,
+    RefConfig,
+    RolloutConfig,
+    SaverConfig,
+    StatsConfig,
+    TransportConfig,
+    WeightSyncConfig,
+    field_keys,
+    get_key,
+)
+from arl.config.validate import import_problem, type_problems, validation_problems
+
+__all__ = [
+    "ROLLOUT_ENGINES",
+    "TRAIN_ENGINES",
+    "ActorConfig",
+    "Backend",
+    "ClusterConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "EvaluatorConfig",
+    "ExperimentConfig",
+    "GenerationConfig",
+    "MiB",
+    "Norm",
+    "RecoverConfig",
+    "RefConfig",
+    "RolloutConfig",
+    "SaverConfig",
+    "StatsConfig",
+    "TransportConfig",
+    "WeightSyncConfig",
+    "apply_overrides",
+    "convert_value",
+    "converter",
+    "field_keys",
+    "from_yaml",
+    "get_key",
+    "help_text",
+    "import_problem",
+    "load_yaml",
+    "parse_backend",
+    "save_resolved",
+    "to_yaml",
+    "type_problems",
+    "validation_problems",
+]
