@@ -436,7 +436,8 @@ class Config:
         Types come first (a recipe assigns fields directly, past the override parser): with any
         field of the wrong type only the type problems are listed, as the value checks need them.
         """
-        from arl.config.validate import type_problems, validation_problems  # it imports this
+        # Imported here: arl.config.validate imports this module.
+        from arl.config.validate import type_problems, validation_problems
 
         _raise(type_problems(self) or validation_problems(self))
 

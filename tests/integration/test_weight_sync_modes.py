@@ -95,6 +95,20 @@ def test_disk_mode_matches_trainer_every_step_and_removes_folders(tmp_path, tiny
     assert not weights.exists() or not any(weights.iterdir())
 
 
+async def _until_engines_run_rows(rollout, polls: int = 1200) -> int:
+    """Wait (for a state, not a duration; 60 s at most) until the engines of ``rollout`` (a
+    `RolloutController`) run rows; returns how many they run then (0 if none came)."""
+    running = 0
+    for _ in range(polls):
+        running = sum(
+            h["running"] for h in await asyncio.gather(*(w.health() for w in rollout.workers))
+        )
+        if running:
+            break
+        await asyncio.sleep(0.05)
+    return running
+
+
 def _record_pauses(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     """Make every rollout pause record the engines' health right after it; the first waits
     (for a state, not a duration) until the engines run rows, so that sync has some to keep."""
@@ -104,14 +118,7 @@ def _record_pauses(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     seen: list[dict] = []
 
     async def recorded_pause(self: RolloutController, in_place: bool = False) -> None:
-        running = 0
-        for _ in range(0 if seen else 1200):
-            running = sum(
-                h["running"] for h in await asyncio.gather(*(w.health() for w in self.workers))
-            )
-            if running:
-                break
-            await asyncio.sleep(0.05)
+        running = await _until_engines_run_rows(self, polls=0 if seen else 1200)
         await pause(self, in_place)
         healths = await asyncio.gather(*(w.health() for w in self.workers))
         seen.append({"running_before": running, "after": healths})
@@ -192,11 +199,8 @@ def test_alternate_gpu_sharing_holds_generation_in_place_while_training(
     async def held_once_running(self, workers):
         # The trainer takes its batch the moment the last group of it is accepted, and on a
         # loaded machine it can enter the hold before the next groups reach the engine: wait
-        # (for a state, not a duration) until the engine runs rows, so the hold has some to keep.
-        for _ in range(1200):
-            if any(h["running"] for h in await asyncio.gather(*(w.health() for w in self.workers))):
-                break
-            await asyncio.sleep(0.05)
+        # until the engine runs rows, so the hold has some to keep.
+        await _until_engines_run_rows(self)
         async with held(self, workers):
             yield
 
