@@ -3,22 +3,24 @@
 `forward_logp` runs the model on right-padded rows, or packs them into one row (``packed``)
 where the varlen attention registered by `register_varlen` runs them without a mask (CUDA,
 `varlen_available`); `resolve_layout` picks between the two. `ChunkedLogpHead` turns the output
-layer into log-prob and entropy of the given targets chunk by chunk, so a micro-batch's fp32
-logits are never materialised at once.
+layer into log-prob and entropy of the given targets chunk by chunk (`LinearLogp`), so a
+micro-batch's logits are never materialised at once, and never in fp32.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
 from typing import Literal
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from arl.algo.losses import token_logp_entropy
 from arl.algo.packing import pack_rows, unpack_values
 from arl.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 Layout = Literal["packed", "padded"]
 
@@ -91,11 +93,10 @@ class ChunkedLogpHead:
     Installed on the ``lm_head`` Linear (its forward is replaced, its weight and state-dict
     names stay), so it runs inside the root module's forward, where FSDP has the weight
     gathered. While `targets` is active the head returns [B, T, 2] float32: position t holds
-    log_softmax(z[t-1] / T)[id_t] and the entropy of softmax(z[t-1] / T) (0 at t = 0). Each
-    chunk of ``chunk_tokens`` positions computes its fp32 logits, logsumexp and gather, and
-    keeps nothing for backward but its input: the backward recomputes the chunk's logits
-    (torch.utils.checkpoint), so memory is one chunk's [chunk, V] instead of the micro-batch's.
-    Outside `targets` it is the plain Linear.
+    log_softmax(z[t-1] / T)[id_t] and the entropy of softmax(z[t-1] / T) (0 at t = 0). The
+    logits exist one chunk of ``chunk_tokens`` positions at a time, in the layer's dtype, and
+    are never kept for backward (`LinearLogp` recomputes each chunk's). Outside `targets` it
+    is the plain Linear.
     """
 
     def __init__(self, linear: torch.nn.Linear, chunk_tokens: int) -> None:
@@ -125,30 +126,128 @@ class ChunkedLogpHead:
         h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
         tgt = ids[:, 1:].reshape(-1)
         w, bias = self.linear.weight, self.linear.bias
-        parts = []
-        for i in range(0, h.shape[0], self.chunk_tokens):
-            sl = slice(i, i + self.chunk_tokens)
-            if torch.is_grad_enabled():
-                parts.append(
-                    checkpoint(
-                        _chunk_logp, h[sl], w, bias, tgt[sl], self._inv_temp, use_reentrant=False
-                    )
-                )
-            else:
-                parts.append(_chunk_logp(h[sl], w, bias, tgt[sl], self._inv_temp))
-        out = torch.cat(parts, dim=0).reshape(b, t - 1, 2)
-        return torch.cat([out.new_zeros(b, 1, 2), out], dim=1)
+        out = LinearLogp.apply(h, w, bias, tgt, self._inv_temp, self.chunk_tokens)
+        return torch.cat([out.new_zeros(b, 1, 2), out.reshape(b, t - 1, 2)], dim=1)
 
 
-def _chunk_logp(
-    h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor, inv_t: float
+class LinearLogp(torch.autograd.Function):
+    """[log_softmax(z / T)[tgt], entropy(softmax(z / T))] of z = h W^T + b, chunk by chunk.
+
+    Forward keeps only ``h``, the targets and each position's logsumexp; backward recomputes a
+    chunk's logits and turns them into their gradient g (onehot(tgt) - softmax(z / T)) / T in
+    one pass, so memory is one chunk's [chunk, V] in the layer's dtype however many positions
+    there are, and the fp32 logits are never written (on CUDA the per-chunk maths is compiled
+    into fused kernels; `chunk_kernels`). The weight's gradient is summed over chunks in fp32.
+    The entropy is a statistic: no gradient flows through it.
+    """
+
+    @staticmethod
+    def forward(ctx, h, w, bias, tgt, inv_t, chunk):  # type: ignore[override]
+        stats = chunk_kernels(h.device)[0]
+        out = torch.empty(h.shape[0], 2, dtype=torch.float32, device=h.device)
+        lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        for i in range(0, h.shape[0], chunk):
+            sl = slice(i, i + chunk)
+            logp, ent, lse[sl] = stats(torch.nn.functional.linear(h[sl], w, bias), tgt[sl], inv_t)
+            out[sl, 0], out[sl, 1] = logp, ent
+        ctx.save_for_backward(h, w, bias, tgt, lse)
+        ctx.inv_t, ctx.chunk = inv_t, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        h, w, bias, tgt, lse = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad = chunk_kernels(h.device)[1]
+        g = grad_out[:, 0].float()
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
+        grad_b = torch.zeros(w.shape[0], dtype=torch.float32, device=w.device) if need_b else None
+        for i in range(0, h.shape[0], ctx.chunk):
+            sl = slice(i, i + ctx.chunk)
+            z = torch.nn.functional.linear(h[sl], w, bias)
+            dz = grad(z, tgt[sl], lse[sl], g[sl], ctx.inv_t)
+            if grad_h is not None:
+                grad_h[sl] = dz @ w
+            if grad_w is not None:
+                grad_w += (dz.t() @ h[sl]).float()
+            if grad_b is not None:
+                grad_b += dz.float().sum(0)
+        return (
+            grad_h,
+            None if grad_w is None else grad_w.to(w.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype),
+            None,
+            None,
+            None,
+        )
+
+
+def chunk_logp_stats(
+    z: torch.Tensor, tgt: torch.Tensor, inv_t: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-prob of ``tgt``, entropy and logsumexp (each [C], fp32) of the logits ``z`` [C, V]
+    taken at temperature 1 / inv_t."""
+    zf = z.float() * inv_t
+    lse = torch.logsumexp(zf, dim=-1)
+    logp = zf.gather(-1, tgt[:, None]).squeeze(-1) - lse
+    ent = lse - (torch.exp(zf - lse[:, None]) * zf).sum(-1)
+    return logp, ent, lse
+
+
+def chunk_logit_grad(
+    z: torch.Tensor, tgt: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, inv_t: float
 ) -> torch.Tensor:
-    z = torch.nn.functional.linear(h, w, bias).float() * inv_t
-    lse = torch.logsumexp(z, dim=-1)
-    logp = z.gather(-1, tgt[:, None]).squeeze(-1) - lse
-    with torch.no_grad():  # a statistic only; exp(z - lse) is the softmax, lse already known
-        ent = lse - (torch.exp(z - lse[:, None]) * z).sum(-1)
-    return torch.stack([logp, ent], dim=-1)
+    """The gradient of sum(g * logp) with respect to the logits ``z`` [C, V], in z's dtype:
+    g * inv_t * (onehot(tgt) - softmax(z * inv_t)), from the forward's logsumexp ``lse``."""
+    p = torch.exp(z.float() * inv_t - lse[:, None])
+    hit = torch.arange(z.shape[-1], device=z.device)[None, :] == tgt[:, None]
+    return ((hit.float() - p) * (g * inv_t)[:, None]).to(z.dtype)
+
+
+_KERNELS: dict[str, tuple] = {}
+
+
+def chunk_kernels(device: torch.device) -> tuple:
+    """`chunk_logp_stats` and `chunk_logit_grad` for ``device``: compiled on CUDA (each becomes
+    one or two fused kernels that read a chunk's logits in their own dtype; eager, those are a
+    dozen passes over fp32 copies of the chunk), eager elsewhere."""
+    kind = device.type
+    if kind not in _KERNELS:
+        if kind == "cuda":
+            _KERNELS[kind] = (
+                _compiled_or_eager(chunk_logp_stats),
+                _compiled_or_eager(chunk_logit_grad),
+            )
+        else:
+            _KERNELS[kind] = (chunk_logp_stats, chunk_logit_grad)
+    return _KERNELS[kind]
+
+
+def _compiled_or_eager(fn):
+    """``fn`` compiled (dynamic chunk sizes). If its first call fails to compile (e.g. no
+    Triton), the eager ``fn`` from then on, with one warning, so the head works wherever torch
+    does; later errors (out of memory, say) are raised as they are."""
+    state = {"fn": torch.compile(fn, dynamic=True), "proven": False}
+
+    def call(*args):
+        if state["proven"]:
+            return state["fn"](*args)
+        try:
+            out = state["fn"](*args)
+        except Exception as exc:  # a compilation problem surfaces at the first call
+            log.warning(
+                "compiling %s failed (%s: %s); the log-prob head runs eagerly",
+                fn.__name__,
+                type(exc).__name__,
+                (str(exc).splitlines() or [""])[0][:200],
+            )
+            state["fn"] = fn
+            out = fn(*args)
+        state["proven"] = True
+        return out
+
+    return call
 
 
 # The varlen attention of packed rows (CUDA): one flash-attention call over the concatenated
