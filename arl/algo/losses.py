@@ -69,12 +69,15 @@ def reject_by_ratio(
     low: float,
     high: float,
     mode: Rejection,
+    seq_ids: torch.Tensor | None = None,
+    n_seqs: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply ratio bounds [low, high] to per-token ratios [B, L]; returns (ratio, mask).
 
-    token_mask: drop tokens with ratio outside the bounds; seq_mask: drop every token of a row
-    that has any masked token outside them; token_clamp: ratio <- clamp(ratio, low, high), mask
-    kept; none: both unchanged.
+    token_mask: drop tokens with ratio outside the bounds; seq_mask: drop every token of a
+    sequence that has any masked token outside them (a sequence is a row, or with ``seq_ids``,
+    the tokens of the same id in 0..n_seqs-1: the sequences of a packed row); token_clamp:
+    ratio <- clamp(ratio, low, high), mask kept; none: both unchanged.
     """
     m = mask.bool()
     inside = (ratio >= low) & (ratio <= high)
@@ -83,8 +86,13 @@ def reject_by_ratio(
     if mode == "token_mask":
         return ratio, m & inside
     if mode == "seq_mask":
-        row_ok = (inside | ~m).all(dim=-1, keepdim=True)
-        return ratio, m & row_ok
+        if seq_ids is None:
+            row_ok = (inside | ~m).all(dim=-1, keepdim=True)
+            return ratio, m & row_ok
+        outside = (m & ~inside).reshape(-1).to(torch.int32)
+        bad = torch.zeros(n_seqs, dtype=torch.int32, device=m.device)
+        bad.index_add_(0, seq_ids.reshape(-1), outside)
+        return ratio, m & (bad[seq_ids] == 0)
     if mode == "token_clamp":
         return ratio.clamp(low, high), m
     raise ValueError(f"rejection must be one of {REJECTIONS}, got {mode!r}")
@@ -103,6 +111,8 @@ def ppo_loss(
     imp_weight_cap: float | None = None,
     rejection: Rejection = "none",
     n_tokens: float | torch.Tensor | None = None,
+    seq_ids: torch.Tensor | None = None,
+    n_seqs: int = 0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token-level PPO loss: sum_t m_t * w_t * l_t / N.
 
@@ -111,7 +121,8 @@ def ppo_loss(
     policy and w = exp(old_logp - behave_logp): "none" truncates it, w <- min(w, cap); the
     rejection modes bound it to [1/cap, cap] (mask tokens, mask sequences, or clamp); else w = 1.
     N is the global token count (all micro-batches, all ranks) so that summed gradients equal
-    the full-batch loss; None means this call's count.
+    the full-batch loss; None means this call's count. ``seq_ids``/``n_seqs`` tell the sequences
+    of packed rows apart for seq_mask (`reject_by_ratio`).
     Stats are masked means (``*_max``/``*_min`` are extremes) as detached tensors.
     """
     eps_high = eps_clip if eps_clip_higher is None else eps_clip_higher
@@ -134,7 +145,9 @@ def ppo_loss(
     stats: dict[str, torch.Tensor] = {}
     keep = mask
     if behave_logp is not None:
-        w, keep = _behaviour_weight(old_logp, behave_logp, mask, imp_weight_cap, rejection)
+        w, keep = _behaviour_weight(
+            old_logp, behave_logp, mask, imp_weight_cap, rejection, seq_ids, n_seqs
+        )
         tok_loss = tok_loss * w
         stats["imp_weight_mean"] = masked_mean(w, keep).detach()
         stats["imp_weight_max"] = torch.where(keep, w, -torch.inf).max().detach()
@@ -163,6 +176,8 @@ def _behaviour_weight(
     mask: torch.Tensor,
     cap: float | None,
     rejection: Rejection,
+    seq_ids: torch.Tensor | None = None,
+    n_seqs: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """w = exp(prox - behave), a constant; rejection "none" truncates it to min(w, cap), the
     other modes apply their rule on the bounds [1/cap, cap]."""
@@ -177,4 +192,6 @@ def _behaviour_weight(
             f"rejection={rejection!r} needs bounds: set the importance-weight cap "
             "(actor.behav_imp_weight_cap) to a value > 1"
         )
-    return reject_by_ratio(w, mask, low=1.0 / cap, high=cap, mode=rejection)
+    return reject_by_ratio(
+        w, mask, low=1.0 / cap, high=cap, mode=rejection, seq_ids=seq_ids, n_seqs=n_seqs
+    )

@@ -233,6 +233,11 @@ class ActorConfig:
         "(auto: packed on CUDA, padded on CPU, where packing would need a dense mask)",
     )
     compile: bool = _f(False, "torch.compile each decoder layer of the trained model (CUDA)")
+    cuda_graphs: bool = _f(
+        True,
+        "replay each small packed micro-batch's forward and backward as a CUDA graph, one per "
+        "bucket of sizes (one CUDA rank, packed layout, no gradient checkpointing)",
+    )
     eps_clip: float = _f(0.4, "PPO clip range of the ratio (1 - eps, 1 + eps)")
     eps_clip_higher: float | None = _f(None, "upper clip range (none: eps_clip)")
     c_clip: float | None = _f(None, "dual-clip constant c > 1 for negative advantages (none: off)")

@@ -246,7 +246,7 @@ class TrainWorker:
         before it (every rank calls it together: the sharded forward gathers). With
         ``weights_dtype`` the weights are first rounded to it, as an engine holding them in that
         dtype has them, and restored after."""
-        model = self.engine.model
+        model = self.engine.forward_model
         ids = torch.tensor([token_ids], device=self.engine.device)
         dtype = None if weights_dtype is None else parse_dtype(weights_dtype)
         with torch.no_grad(), _weights_rounded_to(model, dtype):
@@ -278,6 +278,7 @@ class TrainWorker:
             optim_state_dict=state["optim"],
         )
         self.engine.set_step(step)
+        self.engine.sync_forward_weights()
         rng = Path(path, f"rng-{self.rank}.pt")
         if rng.exists():
             torch.set_rng_state(torch.frombuffer(bytearray(rng.read_bytes()), dtype=torch.uint8))

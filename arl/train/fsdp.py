@@ -40,7 +40,15 @@ from arl.algo.packing import (
 from arl.algo.rewards import normalize_rewards, transform_rewards
 from arl.algo.schedule import lr_at
 from arl.config import ActorConfig, ConfigError
-from arl.train.logp import Layout, forward_logp, resolve_layout, varlen_available
+from arl.train.graphs import MicroBatchGraphs
+from arl.train.logp import (
+    Layout,
+    forward_logp,
+    packed_logp_entropy,
+    resolve_layout,
+    varlen_available,
+)
+from arl.train.packed import PackedMicroBatch, bucket_for, pack_micro_batch
 from arl.train.sharding import compute_dtype, full_tensor, load_sharded, local_tensor
 from arl.train.stats import StatSums
 from arl.wire.rendezvous import split_tcp_url, tcp_store
@@ -97,7 +105,10 @@ class FSDPEngine:
         self.compute_dtype = compute_dtype(cfg, self.device)
         self.layout: Layout = resolve_layout(cfg.layout, self.device)
         varlen = self.layout == "packed" and varlen_available(self.device)
-        self.model = load_sharded(
+        # ``model`` holds the trained weights (what the optimizer steps, checkpoints and weight
+        # syncs read); passes run on ``forward_model``: the same module, or on one rank in
+        # mixed precision its compute-dtype copy (`arl.train.master`).
+        self.model, self.forward_model, self._master = load_sharded(
             cfg.path,
             self.mesh,
             self.compute_dtype,
@@ -108,6 +119,7 @@ class FSDPEngine:
         )
         self._bytes_per_token = _activation_bytes_per_token(self.model.config, cfg)
         self.model.train()
+        self.forward_model.train()
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=cfg.lr,
@@ -127,13 +139,45 @@ class FSDPEngine:
                 trainable=False,
                 gradient_checkpointing=False,
                 varlen=varlen,
-            )
+            ).forward
         self.source_path = cfg.path
         self._step = 0
         # `weight_sources`' cached views and what they were taken from.
         self._sources: list[tuple[str, torch.Tensor]] | None = None
         self._sources_key: list[tuple[int, int]] = []
         self.warm_up_s = 0.0
+        # Summed over a mini-batch's micro-batches, and the loss's token count: tensors that
+        # stay where they are, so captured passes (`graphs`) add into and read the same ones.
+        self._stats = StatSums(self.device)
+        self._n_global = torch.ones((), dtype=torch.float32, device=self.device)
+        self.graphs = self._graphs_if_they_pay()
+
+    def _graphs_if_they_pay(self) -> MicroBatchGraphs | None:
+        """CUDA graphs of small micro-batches (`arl.train.graphs`), where they apply: one CUDA
+        rank (FSDP's hooks cannot be replayed) with packed varlen rows, ``actor.cuda_graphs`` on,
+        no gradient checkpointing (its recomputation reads the RNG state on the host). A graph's
+        memory stays held, so its micro-batches are capped at 16k tokens or the activations that
+        a quarter of the free device memory holds, whichever is fewer; larger ones are bound by
+        the device, not the host, and run eagerly."""
+        cfg = self.cfg
+        if not (
+            cfg.cuda_graphs
+            and self.device.type == "cuda"
+            and self.world_size == 1
+            and self.layout == "packed"
+            and varlen_available(self.device)
+            and not cfg.gradient_checkpointing
+        ):
+            return None
+        free, _ = torch.cuda.mem_get_info(self.device)
+        cap = min(16384, int(0.25 * free / self._bytes_per_token))
+        if self._master is not None:
+            self._master.hold_grads()
+        else:
+            for p in self.model.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        return MicroBatchGraphs(self.device, cap) if cap >= 1024 else None
 
     def warm_up(self) -> float:
         """Forwards with backward and without on two small packed batches of different
@@ -166,10 +210,10 @@ class FSDPEngine:
             ids = torch.ones_like(am, dtype=torch.long) * am
             for grad in (True, False):
                 with torch.set_grad_enabled(grad):
-                    logp, _ = forward_logp(self.model, ids, am, 1.0, self.layout, shape)
+                    logp, _ = forward_logp(self.forward_model, ids, am, 1.0, self.layout, shape)
                     if grad:
                         (logp.sum() * 0.0).backward()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.zero_grad()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -183,7 +227,7 @@ class FSDPEngine:
 
     def compute_logp(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Log-prob [B, L] (float32, CPU) of token t at position t under the current policy."""
-        return self._logp(self.model, batch)
+        return self._logp(self.forward_model, batch)
 
     def compute_ref_logp(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Log-prob [B, L] under the frozen reference model (needs kl_ctl > 0)."""
@@ -298,7 +342,7 @@ class FSDPEngine:
         return out
 
     def _train_minibatch(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
-        self.optimizer.zero_grad(set_to_none=True)
+        self.zero_grad()
         stats = self.accumulate_gradients(batch)
         lr = lr_at(
             self._step,
@@ -319,7 +363,8 @@ class FSDPEngine:
         else:
             self.optimizer.step()
             self._step += 1
-        self.optimizer.zero_grad(set_to_none=True)
+            self.sync_forward_weights()
+        self.zero_grad()
         return {**stats, "grad_norm": grad_norm, "lr": lr, "skipped": float(skipped)}
 
     def accumulate_gradients(
@@ -332,40 +377,107 @@ class FSDPEngine:
         gradient is that of the full mini-batch token-mean loss however it is split.
         """
         n_global = float(self._all_sum(torch.tensor([float(batch["loss_mask"].sum())]))[0])
-        keys = _TRAIN_KEYS + tuple(k for k in ("prox_logp", "ref_logp") if k in batch)
-        acc = StatSums(self.device)
+        self._n_global.fill_(max(n_global, 1.0))
+        self._stats.reset()
         lens = seq_lengths(batch)
         bins = self._micro_batches(batch, max_tokens_per_mb or self._token_budget(batch))
-        for rows in bins:
-            if not rows:
-                self._dummy_pass(self.model, backward=True)
-                continue
-            mb = self._to_device(select_rows(batch, rows), keys)
-            logp, ent = forward_logp(
-                self.model,
-                mb["input_ids"],
-                mb["attention_mask"],
-                self.cfg.temperature,
-                self.layout,
-                [lens[i] for i in rows],
-            )
-            loss, stats = self._loss(logp, mb, n_global)
-            (loss * self.world_size).backward()
-            kl = None
-            if "ref_logp" in mb:
-                kl = kl_estimate(logp.detach(), mb["ref_logp"], self.cfg.kl_estimator)
-            acc.add(loss.detach(), stats, mb["loss_mask"].bool(), ent.detach(), kl)
-        out = acc.reduce(self._all_sum, self._all_max, n_global)
+        fields = _TRAIN_FIELDS + tuple(k for k in ("prox_logp", "ref_logp") if k in batch)
+        if self.layout == "packed":
+            self._packed_passes(batch, bins, lens, fields)
+        else:
+            keys = ("input_ids", "attention_mask", *fields)
+            for rows in bins:
+                if not rows:
+                    self._dummy_pass(self.forward_model, backward=True)
+                    continue
+                mb = self._to_device(select_rows(batch, rows), keys)
+                logp, ent = forward_logp(
+                    self.forward_model,
+                    mb["input_ids"],
+                    mb["attention_mask"],
+                    self.cfg.temperature,
+                    self.layout,
+                    [lens[i] for i in rows],
+                )
+                self._train_pass(logp, ent, mb)
+        out = self._stats.reduce(self._all_sum, self._all_max, n_global)
         if not self.cfg.use_decoupled_loss:
             out = {k: v for k, v in out.items() if not k.startswith(("imp_weight", "rejected"))}
         return out | {"n_micro_batches": float(len(bins))}
 
+    def _packed_passes(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        bins: list[list[int]],
+        lens: list[int],
+        fields: tuple[str, ...],
+    ) -> None:
+        """The micro-batches of a packed mini-batch: its fields go to the device once, each
+        micro-batch is gathered there into one packed row, and a small one replays its bucket's
+        CUDA graph where `graphs` are on."""
+        keys = ("input_ids", *fields)
+        dev = {k: batch[k].to(self.device, non_blocking=True) for k in keys}
+        for rows in bins:
+            if not rows:
+                self._dummy_pass(self.forward_model, backward=True)
+                continue
+            n_tokens = sum(lens[i] for i in rows)
+            bucket = None
+            if self.graphs is not None:
+                bucket = bucket_for(n_tokens, len(rows), max(lens[i] for i in rows))
+                if not self.graphs.takes(bucket):
+                    bucket = None
+
+            def fill(out: PackedMicroBatch | None, rows: list[int] = rows, bucket=bucket):
+                return pack_micro_batch(dev, rows, lens, fields, bucket, out)
+
+            if bucket is None:
+                self._packed_pass(fill(None))
+            else:
+                self.graphs.run(bucket, fill, self._packed_pass)
+
+    def _packed_pass(self, mb: PackedMicroBatch) -> None:
+        """Forward, loss and backward of one packed row; adds into the gradients and stats."""
+        logp, ent = packed_logp_entropy(
+            self.forward_model,
+            mb.input_ids,
+            mb.position_ids,
+            self.cfg.temperature,
+            mb.cu_seqlens,
+            mb.max_len,
+        )
+        self._train_pass(logp, ent, mb.fields, mb.seq_ids, mb.n_seqs)
+
+    def _train_pass(
+        self,
+        logp: torch.Tensor,
+        ent: torch.Tensor,
+        mb: Mapping[str, torch.Tensor],
+        seq_ids: torch.Tensor | None = None,
+        n_seqs: int = 0,
+    ) -> None:
+        """Loss and backward of one micro-batch's log-probs; its gradients are added into the
+        trained weights' and its statistics into `_stats`, all without reading the device."""
+        loss, stats = self._loss(logp, mb, seq_ids, n_seqs)
+        (loss * self.world_size).backward()
+        kl = None
+        if "ref_logp" in mb:
+            kl = kl_estimate(logp.detach(), mb["ref_logp"], self.cfg.kl_estimator)
+        self._stats.add(loss.detach(), stats, mb["loss_mask"].bool(), ent.detach(), kl)
+        if self._master is not None:
+            self._master.accumulate_grads()
+
     def _loss(
-        self, logp: torch.Tensor, mb: Mapping[str, torch.Tensor], n_tokens: float
+        self,
+        logp: torch.Tensor,
+        mb: Mapping[str, torch.Tensor],
+        seq_ids: torch.Tensor | None = None,
+        n_seqs: int = 0,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """`ppo_loss` of one micro-batch with this engine's settings: the ratio against the
         proximal log-probs (the pass's, else this forward's detached when `prox_in_update`), or
-        against the behaviour log-probs without the decoupled loss."""
+        against the behaviour log-probs without the decoupled loss; the token count of the
+        mini-batch (all ranks) divides it."""
         cfg = self.cfg
         if "prox_logp" in mb:
             old = mb["prox_logp"]
@@ -384,7 +496,9 @@ class FSDPEngine:
             behave_logp=mb["logprobs"] if cfg.use_decoupled_loss else None,
             imp_weight_cap=cfg.behav_imp_weight_cap,
             rejection=cfg.rejection,
-            n_tokens=max(n_tokens, 1.0),
+            n_tokens=self._n_global,
+            seq_ids=seq_ids,
+            n_seqs=n_seqs,
         )
 
     def _clip_gradients(self) -> float:
@@ -406,8 +520,23 @@ class FSDPEngine:
                 yield name, full.detach()
 
     def zero_grad(self) -> None:
-        """Drop accumulated gradients (after `accumulate_gradients` used on its own)."""
-        self.optimizer.zero_grad(set_to_none=True)
+        """Drop accumulated gradients (after `accumulate_gradients` used on its own): zeroed
+        where CUDA graphs add into them at fixed addresses, else freed."""
+        held = self.graphs is not None
+        self.optimizer.zero_grad(set_to_none=not held)
+        if self._master is not None:
+            grads = [f.grad for _, f in self._master.pairs if f.grad is not None]
+            if held:
+                torch._foreach_zero_(grads)
+            else:
+                for _, f in self._master.pairs:
+                    f.grad = None
+
+    def sync_forward_weights(self) -> None:
+        """Cast the trained weights into the forward copy (one rank in mixed precision), after
+        they changed: an optimizer step, a checkpoint load."""
+        if self._master is not None:
+            self._master.publish()
 
     # ------------------------------------------------------------------ weights and state
 
@@ -485,7 +614,8 @@ class FSDPEngine:
 
     def destroy(self) -> None:
         """Release the models and destroy the process group."""
-        self.model = self.ref = self.optimizer = None  # type: ignore[assignment]
+        self.model = self.forward_model = self.ref = self.optimizer = None  # type: ignore[assignment]
+        self._master = self.graphs = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -585,4 +715,5 @@ def _check_config(cfg: ActorConfig, total_steps: int | None) -> None:
         )
 
 
-_TRAIN_KEYS = ("input_ids", "attention_mask", "loss_mask", "advantages", "logprobs")
+# The per-token fields a micro-batch's loss reads (besides the tokens).
+_TRAIN_FIELDS = ("loss_mask", "advantages", "logprobs")

@@ -47,25 +47,48 @@ def forward_logp(
     """
     if layout == "packed":
         row = pack_rows(input_ids, attention_mask, lengths)
-        kw = {}
-        if getattr(model.config, "_attn_implementation", "") == VARLEN_ATTENTION:
-            cu = row.cu_seqlens.to(torch.int32)
+        longest = 0
+        if uses_varlen(model):
             longest = max(lengths) if lengths else int(attention_mask.sum(dim=1).max())
-            kw = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": int(longest)}
-        logp, ent = _logp_entropy(model, row.input_ids, row.position_ids, temperature, **kw)
+        logp, ent = packed_logp_entropy(
+            model, row.input_ids, row.position_ids, temperature, row.cu_seqlens, longest
+        )
         return (
             unpack_values(logp[0], attention_mask, row.index),
             unpack_values(ent[0], attention_mask, row.index),
         )
     if layout != "padded":
         raise ValueError(f"layout must be 'packed' or 'padded', got {layout!r}")
-    if getattr(model.config, "_attn_implementation", "") == VARLEN_ATTENTION:
+    if uses_varlen(model):
         # Such a model is given no mask (`register_varlen`): padding would be attended.
         raise ValueError("a model loaded for packed rows (varlen attention) cannot run padded rows")
     pos = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
     logp, ent = _logp_entropy(model, input_ids, pos, temperature, attention_mask=attention_mask)
     mask = attention_mask.bool()
     return torch.where(mask, logp, 0.0), torch.where(mask, ent, 0.0)
+
+
+def packed_logp_entropy(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    temperature: float,
+    cu_seqlens: torch.Tensor,
+    max_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob and entropy [1, T] of one packed row: sequences bounded by ``cu_seqlens``, the
+    longest ``max_len`` tokens, ``position_ids`` restarting at 0 for each. A model without the
+    varlen attention tells them apart by the position ids (a dense mask: CPU)."""
+    kw = {}
+    if uses_varlen(model):
+        cu = cu_seqlens.to(torch.int32)
+        kw = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": int(max_len)}
+    return _logp_entropy(model, input_ids, position_ids, temperature, **kw)
+
+
+def uses_varlen(model: torch.nn.Module) -> bool:
+    """Whether ``model`` was loaded with the varlen attention of `register_varlen`."""
+    return getattr(model.config, "_attn_implementation", "") == VARLEN_ATTENTION
 
 
 def _logp_entropy(

@@ -1,6 +1,9 @@
-"""Loading a HF causal LM as FSDP2 shards, and reading its DTensors back as plain tensors."""
+"""Loading a HF causal LM for training (FSDP2 shards on several ranks, whole on one), and reading
+DTensors back as plain tensors."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -9,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from arl.config import ActorConfig
 from arl.train.logp import ChunkedLogpHead, register_varlen, transforms_logits
+from arl.train.master import MasterWeights
 
 
 def compute_dtype(cfg: ActorConfig, device: torch.device) -> torch.dtype:
@@ -16,6 +20,16 @@ def compute_dtype(cfg: ActorConfig, device: torch.device) -> torch.dtype:
     if cfg.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+
+
+class LoadedModel(NamedTuple):
+    """A loaded model: ``model`` holds the weights the optimizer steps and checkpoints save;
+    passes run on ``forward``, which is ``model`` itself, or with one rank in mixed precision
+    its compute-dtype copy kept by ``master``."""
+
+    model: torch.nn.Module
+    forward: torch.nn.Module
+    master: MasterWeights | None
 
 
 def load_sharded(
@@ -27,15 +41,15 @@ def load_sharded(
     gradient_checkpointing: bool,
     varlen: bool = False,
     compile_layers: bool = False,
-) -> torch.nn.Module:
-    """Load a HF causal LM and shard it with FSDP2: each decoder layer (on more than one rank)
-    and the root.
+) -> LoadedModel:
+    """Load a HF causal LM for ``mesh``: on more than one rank sharded with FSDP2 (each decoder
+    layer and the root); on one rank whole, on the mesh's device.
 
     The trainable model keeps fp32 master weights and computes in ``compute_dtype`` with fp32
-    gradient reduction; the frozen reference is loaded directly in ``compute_dtype``. ``varlen``
-    runs attention through the varlen attention of `register_varlen` (packed rows without
-    masks); the output layer gets a `ChunkedLogpHead`; ``compile_layers`` compiles each
-    decoder layer.
+    gradient reduction (FSDP2's mixed precision; on one rank `MasterWeights`); the frozen
+    reference is loaded directly in ``compute_dtype``. ``varlen`` runs attention through the
+    varlen attention of `register_varlen` (packed rows without masks); the output layer gets a
+    `ChunkedLogpHead`; ``compile_layers`` compiles each decoder layer.
     """
     from transformers import AutoModelForCausalLM
 
@@ -48,39 +62,48 @@ def load_sharded(
         attn_implementation=register_varlen() if varlen else "sdpa",
     )
     model.config.use_cache = False
-    head = model.get_output_embeddings()
-    if isinstance(head, torch.nn.Linear) and not transforms_logits(model.config):
-        # ~1 GiB of fp32 logits per chunk at most, whatever the vocabulary.
-        ChunkedLogpHead(head, max(256, (1 << 28) // head.out_features))
-    if gradient_checkpointing and trainable:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if not trainable:
         model.requires_grad_(False)
         model.eval()
+    one_rank = mesh.size() == 1
+    master = None
+    if one_rank:
+        device = mesh.device_type
+        model.to(torch.device(device, torch.cuda.current_device()) if device == "cuda" else device)
+        if trainable and compute_dtype != torch.float32:
+            master = MasterWeights(model, compute_dtype)
+    forward = master.forward if master is not None else model
+    head = forward.get_output_embeddings()
+    if isinstance(head, torch.nn.Linear) and not transforms_logits(forward.config):
+        # ~1 GiB of fp32 logits per chunk at most, whatever the vocabulary.
+        ChunkedLogpHead(head, max(256, (1 << 28) // head.out_features))
+    if gradient_checkpointing and trainable:
+        forward.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
+    # HF lists its decoder-layer classes in _no_split_modules: one FSDP unit per layer bounds
+    # the all-gathered memory to one layer at a time.
+    layer_names = set(getattr(forward, "_no_split_modules", None) or [])
+    layers = [m for m in forward.modules() if type(m).__name__ in layer_names]
+    if not layers:
+        raise RuntimeError(
+            f"found no decoder layers in {type(forward).__name__} (its _no_split_modules is "
+            f"{sorted(layer_names)}); FSDP needs a HF causal LM with per-layer modules"
+        )
     mp = None
     if compute_dtype != torch.float32 and trainable:
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     kwargs = {"mesh": mesh} | ({"mp_policy": mp} if mp is not None else {})
-    # HF lists its decoder-layer classes in _no_split_modules: one FSDP unit per layer bounds
-    # the all-gathered memory to one layer at a time. One rank gathers nothing (its shard is
-    # the whole model), so there the root is the only unit: one copy and cast per pass instead
-    # of one per layer, whose per-unit hooks bound a small model's step on the host.
-    layer_names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in layer_names]
-    if not layers:
-        raise RuntimeError(
-            f"found no decoder layers in {type(model).__name__} (its _no_split_modules is "
-            f"{sorted(layer_names)}); FSDP needs a HF causal LM with per-layer modules"
-        )
     for layer in layers:
-        if mesh.size() > 1:
+        if not one_rank:
             fully_shard(layer, **kwargs)
         if compile_layers:
             # Per layer, not the whole model: FSDP's hooks stay outside the compiled region, and
             # every layer shares one compiled graph (dynamic token counts).
             layer.compile(dynamic=True)
-    fully_shard(model, **kwargs)
-    return model
+    if not one_rank:
+        fully_shard(model, **kwargs)
+    return LoadedModel(model, forward, master)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -10,12 +10,18 @@ import torch
 
 class StatSums:
     """Token-weighted sums of micro-batch stats, kept on the device (no per-step host syncs)
-    and reduced over ranks once per mini-batch."""
+    and reduced over ranks once per mini-batch. Every update is in place, so a CUDA graph that
+    captured `add` keeps adding into the same sums (`reset` clears them between uses)."""
 
     def __init__(self, device: torch.device) -> None:
         # loss, entropy, kl, clip_frac, approx_kl, imp_weight_mean, rejected_frac, kept tokens
         self.sums = torch.zeros(8, dtype=torch.float64, device=device)
         self.extremes = torch.full((2,), -math.inf, dtype=torch.float64, device=device)
+
+    def reset(self) -> None:
+        """Back to no micro-batches."""
+        self.sums.zero_()
+        self.extremes.fill_(-math.inf)
 
     def add(
         self,
@@ -41,7 +47,7 @@ class StatSums:
         ).double()
         if "imp_weight_max" in st:
             w = torch.stack([st["imp_weight_max"], -st["imp_weight_min"]]).double()
-            self.extremes = torch.maximum(self.extremes, w)
+            torch.maximum(self.extremes, w, out=self.extremes)
 
     def reduce(self, all_sum: Callable, all_max: Callable, n_tokens: float) -> dict[str, float]:
         """Global stats: loss summed, entropy/kl per loss token, the rest per kept token."""

@@ -119,6 +119,28 @@ def test_seq_mask_drops_whole_rows():
     assert st["rejected_frac"].item() == pytest.approx(0.5)
 
 
+def test_seq_mask_of_a_packed_row_drops_whole_sequences_by_their_ids():
+    # The rows of test_seq_mask_drops_whole_rows packed into one row, a pad sequence after them:
+    # the same loss, and the pad (id 2, masked out) rejects nothing.
+    w = torch.tensor([[2.0, 8.0, 1.5, 1.0, 50.0]])
+    mask = torch.tensor([[True, True, True, True, False]])
+    loss, st = ppo_loss(
+        torch.zeros(1, 5),
+        torch.zeros(1, 5),
+        torch.ones(1, 5),
+        mask,
+        eps_clip=0.2,
+        behave_logp=-torch.log(w),
+        imp_weight_cap=5.0,
+        rejection="seq_mask",
+        n_tokens=4,
+        seq_ids=torch.tensor([[0, 0, 1, 1, 2]]),
+        n_seqs=4,
+    )
+    assert loss.item() == pytest.approx(-(1.5 + 1.0) / 4)
+    assert st["rejected_frac"].item() == pytest.approx(0.5)
+
+
 def test_rejection_needs_decoupled_loss_and_cap():
     with pytest.raises(ValueError, match="decoupled"):
         ppo_loss(LOGP, OLD, ADV, MASK, eps_clip=0.2, rejection="token_mask")

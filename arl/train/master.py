@@ -1,0 +1,67 @@
+"""One rank's mixed precision without FSDP: fp32 master weights beside a compute-dtype copy.
+
+With one training rank there is nothing to shard, and FSDP2's per-pass hooks (gather, cast,
+reduce) and DTensor dispatch cost host time that bounds a small model's step. What its mixed
+precision policy does on one rank is kept here by hand: the optimizer steps the fp32 weights
+of ``master``; every pass runs on ``forward``, a copy of the same module in the compute dtype;
+after each backward the copy's gradients are added into the masters' in fp32 (FSDP2 reduces in
+fp32 too), and after each optimizer step the masters are cast into the copy. The state dict,
+the checkpoint and the weights sent to inference engines stay those of the fp32 masters.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+class MasterWeights:
+    """The fp32 ``master`` module and its compute-dtype ``forward`` copy, parameter by name."""
+
+    def __init__(self, master: torch.nn.Module, dtype: torch.dtype) -> None:
+        if any(p.dtype != torch.float32 for p in master.parameters()):
+            raise ValueError("master weights must be float32")
+        self.master = master
+        self.forward = copy.deepcopy(master)
+        with torch.no_grad():
+            # Parameters only: buffers (rotary frequencies) keep their fp32, as FSDP2 keeps them.
+            for p in self.forward.parameters():
+                p.data = p.data.to(dtype)
+        fwd = dict(self.forward.named_parameters())
+        # named_parameters lists a tied weight once, under its first name, in both modules.
+        self.pairs = [(p, fwd[name]) for name, p in master.named_parameters()]
+        self.held = False
+
+    def accumulate_grads(self) -> None:
+        """Add the copy's gradients into the masters' (fp32) and drop them from the copy."""
+        pairs = [(m, f) for m, f in self.pairs if f.grad is not None]
+        for m, _ in pairs:
+            if m.grad is None:
+                m.grad = torch.zeros_like(m)
+        if not pairs:
+            return
+        grads = [f.grad for _, f in pairs]
+        torch._foreach_add_([m.grad for m, _ in pairs], grads)
+        if self.held:
+            torch._foreach_zero_(grads)
+        else:
+            for _, f in pairs:
+                f.grad = None
+
+    def hold_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Zeroed gradients on every master and copy parameter that stay where they are (for
+        CUDA graphs, which add into the same memory at every replay); returns both lists.
+        From then on gradients must be zeroed, never set to None."""
+        for m, f in self.pairs:
+            if m.grad is None:
+                m.grad = torch.zeros_like(m)
+            if f.grad is None:
+                f.grad = torch.zeros_like(f)
+        self.held = True
+        return [m.grad for m, _ in self.pairs], [f.grad for _, f in self.pairs]
+
+    def publish(self) -> None:
+        """Cast the masters into the copy (after an optimizer step or a checkpoint load)."""
+        with torch.no_grad():
+            torch._foreach_copy_([f for _, f in self.pairs], [m for m, _ in self.pairs])
