@@ -409,6 +409,17 @@ def main(argv: list[str] | None = None) -> int:
         f"start-up {run['startup_s']:.1f} s; train layout {info['layout']}, warm-up (compilation "
         f"included) {info['warm_up_s']:.1f} s, overlapped with the first rollout"
     )
+    g = info.get("graphs")
+    print(
+        "update CUDA graphs: "
+        + (
+            "off (they apply to one CUDA rank with packed rows)"
+            if g is None
+            else f"{'on' if g['enabled'] else 'off after a failed capture'}, micro-batches of "
+            f"<= {g['max_tokens']} tokens; {g['captures']} captured ({g['capture_s']:.1f} s, "
+            f"in the steps that met a new bucket), {g['replays']} replays"
+        )
+    )
     print(report(m, floors))
     top = profile_dir / "top_ops_rank0.txt"
     if top.exists():

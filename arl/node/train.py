@@ -90,9 +90,24 @@ class TrainWorker:
         self.sync_dtype: torch.dtype | None = None
 
     def info(self) -> dict:
-        """The layout this rank resolved and its warm-up seconds (compilation included)."""
-        e = self.engine
-        return {"layout": e.layout, "warm_up_s": e.warm_up_s, "device": str(e.device)}
+        """The layout this rank resolved, its warm-up seconds (compilation included) and its
+        CUDA graphs of the update (None where they do not apply)."""
+        e, g = self.engine, self.engine.graphs
+        graphs = None
+        if g is not None:
+            graphs = {
+                "enabled": g.enabled,
+                "max_tokens": g.max_tokens,
+                "captures": g.captures,
+                "replays": g.replays,
+                "capture_s": g.capture_s,
+            }
+        return {
+            "layout": e.layout,
+            "warm_up_s": e.warm_up_s,
+            "device": str(e.device),
+            "graphs": graphs,
+        }
 
     def warm_up(self) -> float:
         """Pay the first training passes' one-time costs now (see `FSDPEngine.warm_up`)."""

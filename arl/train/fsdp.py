@@ -413,28 +413,34 @@ class FSDPEngine:
         fields: tuple[str, ...],
     ) -> None:
         """The micro-batches of a packed mini-batch: its fields go to the device once, each
-        micro-batch is gathered there into one packed row, and a small one replays its bucket's
-        CUDA graph where `graphs` are on."""
+        micro-batch is gathered there into one packed row and, where `graphs` are on and every
+        micro-batch fits them, replays its bucket's CUDA graph. A mini-batch with a larger
+        micro-batch is bound by the device, not the host: it runs eagerly, since capturing its
+        small remainder would cost a capture (which empties the allocator's cache) and the
+        graph's memory for no gain."""
         keys = ("input_ids", *fields)
         dev = {k: batch[k].to(self.device, non_blocking=True) for k in keys}
-        for rows in bins:
+        buckets = [
+            bucket_for(sum(lens[i] for i in rows), len(rows), max(lens[i] for i in rows))
+            if rows and self.graphs is not None
+            else None
+            for rows in bins
+        ]
+        graphed = self.graphs is not None and all(
+            b is None or self.graphs.takes(b) for b in buckets
+        )
+        for rows, bucket in zip(bins, buckets, strict=True):
             if not rows:
                 self._dummy_pass(self.forward_model, backward=True)
                 continue
-            n_tokens = sum(lens[i] for i in rows)
-            bucket = None
-            if self.graphs is not None:
-                bucket = bucket_for(n_tokens, len(rows), max(lens[i] for i in rows))
-                if not self.graphs.takes(bucket):
-                    bucket = None
 
             def fill(out: PackedMicroBatch | None, rows: list[int] = rows, bucket=bucket):
                 return pack_micro_batch(dev, rows, lens, fields, bucket, out)
 
-            if bucket is None:
-                self._packed_pass(fill(None))
-            else:
+            if graphed:
                 self.graphs.run(bucket, fill, self._packed_pass)
+            else:
+                self._packed_pass(pack_micro_batch(dev, rows, lens, fields))
 
     def _packed_pass(self, mb: PackedMicroBatch) -> None:
         """Forward, loss and backward of one packed row; adds into the gradients and stats."""

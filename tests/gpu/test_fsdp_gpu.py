@@ -98,3 +98,82 @@ def test_packed_varlen_rows_give_the_padded_log_probs(tmp_path: Path):
     diff = (logps["packed"] - logps["padded"]).abs()[mask]
     assert torch.isfinite(logps["packed"][mask]).all()
     assert float(diff.max()) < 0.1 and float(diff.mean()) < 0.01, (diff.max(), diff.mean())
+
+
+def test_graphed_updates_capture_once_per_bucket_and_train_as_eager_ones(tmp_path: Path):
+    """Two updates whose micro-batches share a bucket: the first is run eagerly and captured,
+    the second replays the graph with its own inputs; statistics and weights match an engine
+    without graphs up to bf16 rounding (the graph's row is padded, so its matmuls differ)."""
+    from arl.algo.packing import seq_lengths
+    from arl.train.packed import bucket_for
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).save_pretrained(tmp_path / "model")
+    (tmp_path / "model" / "tokenizer_config.json").write_text("{}")
+    vocab = SMOLLM2_135M["vocab_size"]
+    # 5,930 and 5,341 tokens: one bucket (6,144 tokens, 64 sequences of <= 256)
+    batches = [
+        synthetic_train_batch(vocab, 9, 4, 64, 128),
+        synthetic_train_batch(vocab, 8, 4, 64, 128),
+    ]
+    buckets = {bucket_for(sum(lens), len(lens), max(lens)) for lens in map(seq_lengths, batches)}
+    assert len(buckets) == 1, buckets  # the test's premise: one bucket, two token counts
+    runs = {}
+    for graphs in (True, False):
+        cfg = ActorConfig(path=str(tmp_path / "model"), lr=1e-5, cuda_graphs=graphs)
+        eng = FSDPEngine(
+            cfg, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}", device="cuda"
+        )
+        try:
+            assert (eng.graphs is not None) == graphs
+            out = []
+            for batch in batches:
+                stats = eng.ppo_update(eng.compute_advantages(batch))
+                weights = {k: v.float().cpu() for k, v in eng.state_dict_for_sync()}
+                out.append((stats, weights))
+            if graphs:
+                assert (eng.graphs.captures, eng.graphs.replays) == (1, 1)
+            runs[graphs] = out
+        finally:
+            eng.destroy()
+    start = {
+        k: v.float()
+        for k, v in LlamaForCausalLM.from_pretrained(tmp_path / "model").state_dict().items()
+    }
+    for (g_stats, g_w), (e_stats, e_w) in zip(runs[True], runs[False], strict=True):
+        assert g_stats["n_tokens"] == e_stats["n_tokens"]
+        assert g_stats["entropy"] == pytest.approx(e_stats["entropy"], rel=1e-3)
+        assert g_stats["grad_norm"] == pytest.approx(e_stats["grad_norm"], rel=2e-2)
+        assert g_stats["skipped"] == e_stats["skipped"] == 0.0
+        # Adam's first steps move each weight by about lr: where a tiny gradient's sign differs
+        # between the two, the weights differ by up to 2 lr.
+        diff = max((g_w[k] - e_w[k]).abs().max().item() for k in e_w)
+        moved = max((g_w[k] - start[k]).abs().max().item() for k in e_w if k in start)
+        assert diff < 5e-5 and moved > 5e-6, (diff, moved)
+
+
+def test_log_prob_head_compiled_on_cuda_matches_the_fp32_logits():
+    """`LinearLogp` with its compiled chunk kernels (bf16 logits) against log_softmax of the
+    fp32 logits: values and gradients within bf16 rounding, over several chunks."""
+    from arl.train.logp import LinearLogp
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, hidden, vocab = 3000, 576, 49152
+    h = (torch.randn(n, hidden, device="cuda", generator=g) / 8).bfloat16().requires_grad_()
+    w = (torch.randn(vocab, hidden, device="cuda", generator=g) / 24).bfloat16().requires_grad_()
+    tgt = torch.randint(0, vocab, (n,), device="cuda", generator=g)
+    weight = torch.randn(n, device="cuda", generator=g)
+    out = LinearLogp.apply(h, w, None, tgt, 1 / 0.7, 1024)
+    (out[:, 0] * weight).sum().backward()
+    gh, gw = h.grad.float(), w.grad.float()
+    h.grad = w.grad = None
+    z = (h.float() @ w.float().t()) / 0.7
+    logz = torch.log_softmax(z, -1)
+    logp = logz.gather(1, tgt[:, None])[:, 0]
+    ent = -(logz.exp() * logz).sum(-1)
+    (logp * weight).sum().backward()
+    torch.testing.assert_close(out[:, 0], logp.detach(), atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(out[:, 1], ent.detach(), atol=2e-2, rtol=1e-2)
+    for got, want in ((gh, h.grad), (gw, w.grad)):
+        err = (got - want).norm() / want.norm()
+        assert err < 2e-2, err
