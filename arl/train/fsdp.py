@@ -1,11 +1,15 @@
-"""One FSDP2 training rank: log-probs, advantages and the PPO/GRPO update of a HF causal LM.
+"""One training rank: log-probs, advantages and the PPO/GRPO update of a HF causal LM.
 
-The model is loaded and sharded by `arl.train.sharding`, its log-probs come from
-`arl.train.logp` and the maths of the update from `arl.algo`. `FSDPEngine` is a plain object
-with blocking methods; the node daemon runs them on one engine thread. Every method that
-touches the model or the batch statistics is collective: all ranks of the process group call
-it, in the same order, with their own share of the batch (see `arl.algo.packing.concat_shards`
-for the batch layout).
+The model is loaded by `arl.train.sharding`: FSDP2 shards on several ranks; on one rank the
+whole model, with fp32 master weights beside a bf16 copy that the passes run on
+(`arl.train.master`). Its log-probs come from `arl.train.logp`, the maths of the update from
+`arl.algo`. A packed micro-batch is one row gathered on the device (`arl.train.packed`), and
+on one CUDA rank small ones replay a CUDA graph per bucket of sizes (`arl.train.graphs`).
+
+`FSDPEngine` is a plain object with blocking methods; the node daemon runs them on one engine
+thread. Every method that touches the model or the batch statistics is collective: all ranks
+of the process group call it, in the same order, with their own share of the batch (see
+`arl.algo.packing.concat_shards` for the batch layout).
 """
 
 from __future__ import annotations
@@ -155,10 +159,11 @@ class FSDPEngine:
     def _graphs_if_they_pay(self) -> MicroBatchGraphs | None:
         """CUDA graphs of small micro-batches (`arl.train.graphs`), where they apply: one CUDA
         rank (FSDP's hooks cannot be replayed) with packed varlen rows, ``actor.cuda_graphs`` on,
-        no gradient checkpointing (its recomputation reads the RNG state on the host). A graph's
-        memory stays held, so its micro-batches are capped at 16k tokens or the activations that
-        a quarter of the free device memory holds, whichever is fewer; larger ones are bound by
-        the device, not the host, and run eagerly."""
+        and no gradient checkpointing (its recomputation is not captured; it is for models whose
+        passes are device-bound anyway). A graph's memory stays held, so its micro-batches are
+        capped at 16k tokens or the activations that a quarter of the free device memory holds,
+        whichever is fewer; larger ones are bound by the device, not the host, and run eagerly.
+        With graphs, gradients stay allocated (zeroed, never freed): the graphs add into them."""
         cfg = self.cfg
         if not (
             cfg.cuda_graphs
@@ -171,13 +176,15 @@ class FSDPEngine:
             return None
         free, _ = torch.cuda.mem_get_info(self.device)
         cap = min(16384, int(0.25 * free / self._bytes_per_token))
+        if cap < 1024:
+            return None
         if self._master is not None:
             self._master.hold_grads()
         else:
             for p in self.model.parameters():
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-        return MicroBatchGraphs(self.device, cap) if cap >= 1024 else None
+        return MicroBatchGraphs(self.device, cap)
 
     def warm_up(self) -> float:
         """Forwards with backward and without on two small packed batches of different
@@ -528,15 +535,9 @@ class FSDPEngine:
     def zero_grad(self) -> None:
         """Drop accumulated gradients (after `accumulate_gradients` used on its own): zeroed
         where CUDA graphs add into them at fixed addresses, else freed."""
-        held = self.graphs is not None
-        self.optimizer.zero_grad(set_to_none=not held)
+        self.optimizer.zero_grad(set_to_none=self.graphs is None)
         if self._master is not None:
-            grads = [f.grad for _, f in self._master.pairs if f.grad is not None]
-            if held:
-                torch._foreach_zero_(grads)
-            else:
-                for _, f in self._master.pairs:
-                    f.grad = None
+            self._master.zero_grads()
 
     def sync_forward_weights(self) -> None:
         """Cast the trained weights into the forward copy (one rank in mixed precision), after

@@ -61,6 +61,14 @@ class MasterWeights:
         self.held = True
         return [m.grad for m, _ in self.pairs], [f.grad for _, f in self.pairs]
 
+    def zero_grads(self) -> None:
+        """Clear the copy's gradients: zeroed in place once held (`hold_grads`), else freed."""
+        if self.held:
+            torch._foreach_zero_([f.grad for _, f in self.pairs if f.grad is not None])
+        else:
+            for _, f in self.pairs:
+                f.grad = None
+
     def publish(self) -> None:
         """Cast the masters into the copy (after an optimizer step or a checkpoint load)."""
         with torch.no_grad():
