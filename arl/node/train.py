@@ -92,21 +92,12 @@ class TrainWorker:
     def info(self) -> dict:
         """The layout this rank resolved, its warm-up seconds (compilation included) and its
         CUDA graphs of the update (None where they do not apply)."""
-        e, g = self.engine, self.engine.graphs
-        graphs = None
-        if g is not None:
-            graphs = {
-                "enabled": g.enabled,
-                "max_tokens": g.max_tokens,
-                "captures": g.captures,
-                "replays": g.replays,
-                "capture_s": g.capture_s,
-            }
+        e = self.engine
         return {
             "layout": e.layout,
             "warm_up_s": e.warm_up_s,
             "device": str(e.device),
-            "graphs": graphs,
+            "graphs": None if e.graphs is None else e.graphs.summary(),
         }
 
     def warm_up(self) -> float:

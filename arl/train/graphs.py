@@ -42,6 +42,17 @@ class MicroBatchGraphs:
         self._pool = torch.cuda.graph_pool_handle()
         self._stream = torch.cuda.Stream(device)
 
+    def summary(self) -> dict:
+        """What the graphs did so far: on (False after a failed capture), the token cap,
+        captures and their seconds, replays."""
+        return {
+            "enabled": self.enabled,
+            "max_tokens": self.max_tokens,
+            "captures": self.captures,
+            "replays": self.replays,
+            "capture_s": self.capture_s,
+        }
+
     def takes(self, bucket: Bucket) -> bool:
         """Whether a micro-batch of ``bucket`` runs as a graph."""
         return self.enabled and bucket.tokens <= self.max_tokens

@@ -71,10 +71,11 @@ def bucket_for(n_tokens: int, n_seqs: int, longest: int) -> Bucket:
 
 def host_layout(
     lengths: Sequence[int], rows: Sequence[int], width: int, bucket: Bucket | None
-) -> tuple[torch.Tensor, int, int, int]:
+) -> tuple[torch.Tensor, int, int, int, int]:
     """The packed row's layout as one int64 host tensor [index | position | seq id | cu], each of
     the first three T long (``index``: the flat position in the [B, width] batch of each packed
-    token; padding points at 0), ``cu`` S + 1 long; returns it with T, S and the max length."""
+    token; padding points at 0), ``cu`` S + 1 long; returns it with T, S, the max length and the
+    real (unpadded) token count."""
     lens = torch.tensor([int(lengths[i]) for i in rows], dtype=torch.int64)
     n_real, n = int(lens.sum()), len(rows)
     longest = int(lens.max())
@@ -100,7 +101,7 @@ def host_layout(
     cu = torch.full((n_seqs + 1,), total, dtype=torch.int64)
     cu[0] = 0
     cu[1 : len(all_lens) + 1] = ends
-    return torch.cat([index, pos, seq, cu]), total, n_seqs, max_len
+    return torch.cat([index, pos, seq, cu]), total, n_seqs, max_len, n_real
 
 
 def pack_micro_batch(
@@ -116,12 +117,11 @@ def pack_micro_batch(
     tensors stay where they are) if given, else into new tensors."""
     ids_2d = batch["input_ids"]
     device, width = ids_2d.device, ids_2d.shape[1]
-    layout, total, n_seqs, max_len = host_layout(lengths, rows, width, bucket)
+    layout, total, n_seqs, max_len, n_real = host_layout(lengths, rows, width, bucket)
     if device.type == "cuda":
         layout = layout.pin_memory()  # the caching host allocator: no allocation per call
     layout = layout.to(device, non_blocking=True)
     index, pos, seq, cu = layout.split([total, total, total, n_seqs + 1])
-    n_real = sum(int(lengths[i]) for i in rows)
     if out is None:
         out = PackedMicroBatch(
             input_ids=torch.empty(1, total, dtype=ids_2d.dtype, device=device),

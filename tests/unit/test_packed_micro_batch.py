@@ -42,17 +42,17 @@ def test_bucket_refuses_an_empty_micro_batch() -> None:
 
 def test_host_layout_of_rows_and_of_their_padding() -> None:
     # Rows 2 and 0 of a [3, 6] batch, 3 and 5 tokens long.
-    lay, total, n_seqs, max_len = host_layout([5, 4, 3], [2, 0], 6, None)
+    lay, total, n_seqs, max_len, n_real = host_layout([5, 4, 3], [2, 0], 6, None)
     index, pos, seq, cu = lay.split([total, total, total, n_seqs + 1])
-    assert (total, n_seqs, max_len) == (8, 2, 5)
+    assert (total, n_seqs, max_len, n_real) == (8, 2, 5, 8)
     assert index.tolist() == [12, 13, 14, 0, 1, 2, 3, 4]
     assert pos.tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
     assert seq.tolist() == [0, 0, 0, 1, 1, 1, 1, 1]
     assert cu.tolist() == [0, 3, 8]
 
-    lay, total, n_seqs, max_len = host_layout([5, 4, 3], [2, 0], 6, Bucket(16, 8, 4 + 4))
+    lay, total, n_seqs, max_len, n_real = host_layout([5, 4, 3], [2, 0], 6, Bucket(16, 8, 8))
     index, pos, seq, cu = lay.split([total, total, total, n_seqs + 1])
-    assert (total, n_seqs, max_len) == (16, 8, 8)
+    assert (total, n_seqs, max_len, n_real) == (16, 8, 8, 8)
     # 8 padding tokens: one sequence of 8 (the bucket's max length), then empty sequences.
     assert pos.tolist()[8:] == list(range(8))
     assert seq.tolist()[8:] == [2] * 8
