@@ -31,40 +31,57 @@ class MasterWeights:
         fwd = dict(self.forward.named_parameters())
         # named_parameters lists a tied weight once, under its first name, in both modules.
         self.pairs = [(p, fwd[name]) for name, p in master.named_parameters()]
-        self.held = False
+        # (master grads, copy grads) as flat buffers once `hold_grads` was called, else None.
+        self.flat: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def accumulate_grads(self) -> None:
-        """Add the copy's gradients into the masters' (fp32) and drop them from the copy."""
+        """Add the copy's gradients into the masters' (fp32) and drop them from the copy: once
+        held (`hold_grads`), one add and one zeroing over the flat buffers, else per parameter."""
+        if self.flat is not None:
+            master, copy_ = self.flat
+            master.add_(copy_)
+            copy_.zero_()
+            return
         pairs = [(m, f) for m, f in self.pairs if f.grad is not None]
         for m, _ in pairs:
             if m.grad is None:
                 m.grad = torch.zeros_like(m)
-        if not pairs:
-            return
-        grads = [f.grad for _, f in pairs]
-        torch._foreach_add_([m.grad for m, _ in pairs], grads)
-        if self.held:
-            torch._foreach_zero_(grads)
-        else:
-            for _, f in pairs:
-                f.grad = None
+        if pairs:
+            # Mixed dtypes: torch runs this as one kernel per parameter.
+            torch._foreach_add_([m.grad for m, _ in pairs], [f.grad for _, f in pairs])
+        for _, f in pairs:
+            f.grad = None
 
-    def hold_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def hold_grads(self) -> None:
         """Zeroed gradients on every master and copy parameter that stay where they are (for
-        CUDA graphs, which add into the same memory at every replay); returns both lists.
-        From then on gradients must be zeroed, never set to None."""
-        for m, f in self.pairs:
-            if m.grad is None:
-                m.grad = torch.zeros_like(m)
-            if f.grad is None:
-                f.grad = torch.zeros_like(f)
-        self.held = True
-        return [m.grad for m, _ in self.pairs], [f.grad for _, f in self.pairs]
+        CUDA graphs, which add into the same memory at every replay): views, in parameter order,
+        of one flat fp32 buffer (``flat[0]``) and one flat buffer in the copy's dtype
+        (``flat[1]``), so adding the copy's into the masters' and zeroing it are one kernel each
+        instead of one per parameter. From then on gradients must be zeroed, never set to None."""
+        if self.flat is not None:
+            return
+        align = 64  # elements: every view starts on a 256-byte boundary (vectorised access)
+        sizes = [-(-m.numel() // align) * align for m, _ in self.pairs]
+        dev, dtype = self.pairs[0][0].device, self.pairs[0][1].dtype
+        master = torch.zeros(sum(sizes), dtype=torch.float32, device=dev)
+        copy_ = torch.zeros(sum(sizes), dtype=dtype, device=dev)
+        off = 0
+        for (m, f), size in zip(self.pairs, sizes, strict=True):
+            view_m = master[off : off + m.numel()].view_as(m)
+            view_f = copy_[off : off + f.numel()].view_as(f)
+            with torch.no_grad():
+                if m.grad is not None:
+                    view_m.copy_(m.grad)
+                if f.grad is not None:
+                    view_f.copy_(f.grad)
+            m.grad, f.grad = view_m, view_f
+            off += size
+        self.flat = (master, copy_)
 
     def zero_grads(self) -> None:
         """Clear the copy's gradients: zeroed in place once held (`hold_grads`), else freed."""
-        if self.held:
-            torch._foreach_zero_([f.grad for _, f in self.pairs if f.grad is not None])
+        if self.flat is not None:
+            self.flat[1].zero_()
         else:
             for _, f in self.pairs:
                 f.grad = None
