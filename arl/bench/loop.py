@@ -406,8 +406,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     info = run["train_info"]
     print(
-        f"start-up {run['startup_s']:.1f} s; train layout {info['layout']}, warm-up (compilation "
-        f"included) {info['warm_up_s']:.1f} s, overlapped with the first rollout"
+        f"start-up {run['startup_s']:.1f} s; train layout {info['layout']}; compilation "
+        f"included, priming {info['prime_s']:.1f} s (small passes, overlapped with the "
+        f"engines' start-up), warm-up {info['warm_up_s']:.1f} s (the large pass, overlapped with "
+        "the first rollout)"
     )
     g = info.get("graphs")
     print(

@@ -149,12 +149,13 @@ class FSDPEngine:
         # `weight_sources`' cached views and what they were taken from.
         self._sources: list[tuple[str, torch.Tensor]] | None = None
         self._sources_key: list[tuple[int, int]] = []
-        self.warm_up_s = 0.0
+        self.prime_s = self.warm_up_s = 0.0
         # Summed over a mini-batch's micro-batches, and the loss's token count: tensors that
         # stay where they are, so captured passes (`graphs`) add into and read the same ones.
         self._stats = StatSums(self.device)
         self._n_global = torch.ones((), dtype=torch.float32, device=self.device)
         self.graphs = self._graphs_if_they_pay()
+        self.prime()
 
     def _graphs_if_they_pay(self) -> MicroBatchGraphs | None:
         """CUDA graphs of small micro-batches (`arl.train.graphs`), where they apply: one CUDA
@@ -186,23 +187,41 @@ class FSDPEngine:
                     p.grad = torch.zeros_like(p)
         return MicroBatchGraphs(self.device, cap)
 
-    def warm_up(self) -> float:
-        """Forwards with backward and without on two small packed batches of different
-        shapes, gradients dropped: the first passes' one-time costs (kernel selection,
-        allocator growth, and with ``actor.compile`` the compilation) are paid here, which the
-        trainer overlaps with the first rollout. The second shape makes the compiled layers
-        dynamic in every size that changes between steps (the token count, the longest
-        sequence). Compiled code may also be specialised on a size range (measured: inductor
-        fused SmolLM2's layer for tokens x hidden < 5 Mi elements, ~9k tokens), so on CUDA a
-        third batch of up to 16k tokens (within the micro-batch budget, the same on every rank)
-        compiles the large side too, and the first real step does not compile again; its
-        memory is handed back to the device afterwards (an engine may share it). Collective;
-        returns the seconds it took (``warm_up_s``; the start-up cost of ``actor.compile``).
-
-        Off CUDA nothing compiles or selects kernels: those passes would only be compute taken
-        from the first rollout's cores (on two cores they outlasted it), so one tiny pass runs."""
+    def prime(self) -> float:
+        """On CUDA, forwards with backward and without on two small packed batches of different
+        shapes, gradients dropped: the first passes' one-time costs that do not grow with the
+        batch (kernel selection, the log-prob head's compilation, and with ``actor.compile`` the
+        layers'; the second shape makes compiled code dynamic in every size that changes between
+        steps: the token count, the longest sequence). It runs when the rank is built, while the
+        inference engines load and warm up, so neither the first step nor the start-up waits for
+        it; the passes hold a few hundred tokens of activations, handed back to the device
+        afterwards. Collective; returns the seconds it took (``prime_s``). Off CUDA nothing
+        compiles or selects kernels, and it does nothing."""
+        if self.device.type != "cuda":
+            return 0.0
         t0 = time.perf_counter()
-        shapes = [[48, 80, 72], [120, 33, 97, 64]] if self.device.type == "cuda" else [[3, 2]]
+        self._passes([[48, 80, 72], [120, 33, 97, 64]])
+        self.prime_s = time.perf_counter() - t0
+        log.info(
+            "rank %d: primed (compile=%s) in %.1f s", self.rank, self.cfg.compile, self.prime_s
+        )
+        return self.prime_s
+
+    def warm_up(self) -> float:
+        """The first large pass's one-time costs, which the trainer overlaps with the first
+        rollout: compiled code may be specialised on a size range (measured: inductor fused
+        SmolLM2's layer for tokens x hidden < 5 Mi elements, ~9k tokens), and the allocator
+        grows to a large micro-batch's size. On CUDA, a forward with backward and one without on
+        a batch of up to 16k tokens (within the micro-batch budget and half the free memory, the
+        same on every rank), so the first real step neither compiles nor grows again; its memory
+        is handed back to the device afterwards (an engine may share it). `prime` paid the small
+        passes' costs when the rank was built. Collective; returns the seconds it took
+        (``warm_up_s``).
+
+        Off CUDA one tiny pass runs: larger ones would only be compute taken from the first
+        rollout's cores (on two cores they outlasted it)."""
+        t0 = time.perf_counter()
+        shapes = [] if self.device.type == "cuda" else [[3, 2]]
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             big = min(16384, self.cfg.max_tokens_per_mb or 16384)
@@ -211,24 +230,31 @@ class FSDPEngine:
             big = -int(self._all_max(torch.tensor([-big]))[0])
             if big >= 1024:
                 shapes.append([512] * (big // 512))
+        self._passes(shapes)
+        self.warm_up_s = time.perf_counter() - t0
+        log.info(
+            "rank %d: warmed up (compile=%s) in %.1f s", self.rank, self.cfg.compile, self.warm_up_s
+        )
+        return self.warm_up_s
+
+    def _passes(self, shapes: list[list[int]]) -> None:
+        """A forward with backward and one without per batch of rows of ``shapes``' lengths,
+        gradients dropped; on CUDA the memory they took goes back to the device."""
         for shape in shapes:
             lens = torch.tensor(shape, device=self.device)
             am = torch.arange(int(lens.max()), device=self.device)[None] < lens[:, None]
             ids = torch.ones_like(am, dtype=torch.long) * am
             for grad in (True, False):
                 with torch.set_grad_enabled(grad):
-                    logp, _ = forward_logp(self.forward_model, ids, am, 1.0, self.layout, shape)
+                    logp, _ = forward_logp(
+                        self.forward_model, ids, am, self.cfg.temperature, self.layout, shape
+                    )
                     if grad:
                         (logp.sum() * 0.0).backward()
         self.zero_grad()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
-        self.warm_up_s = time.perf_counter() - t0
-        log.info(
-            "rank %d: warmed up (compile=%s) in %.1f s", self.rank, self.cfg.compile, self.warm_up_s
-        )
-        return self.warm_up_s
 
     # ------------------------------------------------------------------ log-probs and advantages
 

@@ -162,6 +162,11 @@ class LinearLogp(torch.autograd.Function):
     there are, and the fp32 logits are never written (on CUDA the per-chunk maths is compiled
     into fused kernels; `chunk_kernels`). The weight's gradient is summed over chunks in fp32.
     The entropy is a statistic: no gradient flows through it.
+
+    The compiled kernels are specialised on sizes and storage offsets of 0 and 1 and on whether
+    an input is a view: each gets fresh tensors of at least two positions (`chunk_slices`;
+    the per-chunk targets, log-sum-exps and gradients are copied, a few kilobytes), so one
+    compilation serves every chunk of every batch and none happens mid-run.
     """
 
     @staticmethod
@@ -169,9 +174,9 @@ class LinearLogp(torch.autograd.Function):
         stats = chunk_kernels(h.device)[0]
         out = torch.empty(h.shape[0], 2, dtype=torch.float32, device=h.device)
         lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
-        for i in range(0, h.shape[0], chunk):
-            sl = slice(i, i + chunk)
-            logp, ent, lse[sl] = stats(torch.nn.functional.linear(h[sl], w, bias), tgt[sl], inv_t)
+        for sl in chunk_slices(h.shape[0], chunk):
+            z = torch.nn.functional.linear(h[sl], w, bias)
+            logp, ent, lse[sl] = stats(z, tgt[sl].clone(), inv_t)
             out[sl, 0], out[sl, 1] = logp, ent
         ctx.save_for_backward(h, w, bias, tgt, lse)
         ctx.inv_t, ctx.chunk = inv_t, chunk
@@ -186,10 +191,9 @@ class LinearLogp(torch.autograd.Function):
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
         grad_b = torch.zeros(w.shape[0], dtype=torch.float32, device=w.device) if need_b else None
-        for i in range(0, h.shape[0], ctx.chunk):
-            sl = slice(i, i + ctx.chunk)
+        for sl in chunk_slices(h.shape[0], ctx.chunk):
             z = torch.nn.functional.linear(h[sl], w, bias)
-            dz = grad(z, tgt[sl], lse[sl], g[sl], ctx.inv_t)
+            dz = grad(z, tgt[sl].clone(), lse[sl].clone(), g[sl].clone(), ctx.inv_t)
             if grad_h is not None:
                 grad_h[sl] = dz @ w
             if grad_w is not None:
@@ -204,6 +208,19 @@ class LinearLogp(torch.autograd.Function):
             None,
             None,
         )
+
+
+def chunk_slices(n: int, chunk: int) -> list[slice]:
+    """``range(n)`` in consecutive slices of ``chunk`` positions, the last one shorter; where
+    that one would hold a single position, it takes one from the slice before it (a size of 1
+    would make the compiled kernels compile again)."""
+    if chunk < 3:
+        raise ValueError(f"chunk must be >= 3 positions, got {chunk}")
+    out = [slice(i, min(i + chunk, n)) for i in range(0, n, chunk)]
+    if len(out) > 1 and out[-1].stop - out[-1].start == 1:
+        out[-2] = slice(out[-2].start, out[-2].stop - 1)
+        out[-1] = slice(out[-1].start - 1, n)
+    return out
 
 
 def chunk_logp_stats(

@@ -152,6 +152,40 @@ def test_graphed_updates_capture_once_per_bucket_and_train_as_eager_ones(tmp_pat
         assert diff < 5e-5 and moved > 5e-6, (diff, moved)
 
 
+def test_a_rank_is_primed_when_built_and_its_warm_up_compiles_nothing_more(tmp_path: Path):
+    """The small passes (the head's compilation, kernel selection) run when the engine is built,
+    while the engines start; the warm-up overlapped with the first rollout is then one large
+    batch, forward with backward and without, that compiles no new graph and leaves the
+    weights and gradients as they were."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).save_pretrained(tmp_path / "model")
+    (tmp_path / "model" / "tokenizer_config.json").write_text("{}")
+    cfg = ActorConfig(path=str(tmp_path / "model"))
+    eng = FSDPEngine(
+        cfg, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}", device="cuda"
+    )
+    tokens: list[int] = []
+    hook = eng.forward_model.register_forward_pre_hook(
+        lambda _m, args, kwargs: tokens.append(kwargs["input_ids"].numel()), with_kwargs=True
+    )
+    try:
+        assert eng.prime_s > 0
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs > 0  # the head's chunk kernels were compiled while priming
+        before = {k: v.float().cpu() for k, v in eng.state_dict_for_sync()}
+        assert eng.warm_up() == eng.warm_up_s > 0
+        assert len(tokens) == 2 and min(tokens) >= 1024, tokens
+        assert counters["stats"]["unique_graphs"] == graphs
+        after = {k: v.float().cpu() for k, v in eng.state_dict_for_sync()}
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        assert all(p.grad is None or not p.grad.any() for p in eng.forward_model.parameters())
+    finally:
+        hook.remove()
+        eng.destroy()
+
+
 def test_log_prob_head_compiled_on_cuda_matches_the_fp32_logits():
     """`LinearLogp` with its compiled chunk kernels (bf16 logits) against log_softmax of the
     fp32 logits: values and gradients within bf16 rounding, over several chunks."""

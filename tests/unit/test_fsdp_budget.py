@@ -73,6 +73,7 @@ def test_cpu_warm_up_runs_one_tiny_pass_and_leaves_no_gradients(model_dir):
     )
     try:
         before = [full_tensor(p.detach()).clone() for p in eng.model.parameters()]
+        assert eng.prime_s == 0.0  # nothing to prime on CPU: no passes when it was built
         assert eng.warm_up() == eng.warm_up_s > 0
         # Nothing compiles on CPU: the warm-up's passes are only compute that the first rollout
         # would lose, so they are one tiny batch (with and without backward), not real shapes.

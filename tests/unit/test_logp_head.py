@@ -83,3 +83,55 @@ def test_models_that_rescale_logits_keep_the_plain_head() -> None:
     cfg = tiny_model().config
     cfg.final_logit_softcapping = 30.0  # Gemma-2 caps the logits after the output layer
     assert transforms_logits(cfg)
+
+
+def test_chunk_slices_cover_the_positions_and_never_leave_one_alone():
+    from arl.train.logp import chunk_slices
+
+    for n in range(1, 40):
+        for chunk in (3, 5, 8):
+            sl = chunk_slices(n, chunk)
+            assert [i for s in sl for i in range(s.start, s.stop)] == list(range(n))
+            assert all(s.stop - s.start <= chunk for s in sl)
+            assert n == 1 or all(s.stop - s.start >= 2 for s in sl), (n, chunk, sl)
+    with pytest.raises(ValueError, match="chunk must be >= 3"):
+        chunk_slices(10, 2)
+
+
+def test_compiled_chunk_kernels_compile_once_for_every_batch_size(monkeypatch):
+    """Dynamo specialises sizes and storage offsets of 0 and 1 and the views it is given: the
+    head hands its compiled kernels fresh chunks of >= 2 positions, so the first (small) pass
+    compiles each once and no later batch, of one chunk or several, with or without gradient,
+    compiles again (guards are Dynamo's: the eager backend shows them without a C compiler)."""
+    from torch._dynamo.utils import counters
+
+    import arl.train.logp as L
+
+    torch._dynamo.reset()
+    counters.clear()
+    kernels = tuple(
+        torch.compile(fn, dynamic=True, backend="eager")
+        for fn in (L.chunk_logp_stats, L.chunk_logit_grad)
+    )
+    monkeypatch.setitem(L._KERNELS, "cpu", kernels)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 16, generator=g, requires_grad=True)
+
+    def run(t: int, grad: bool) -> None:
+        ids = torch.randint(0, 64, (1, t), generator=g)
+        hidden = torch.randn(1, t, 16, generator=g, requires_grad=grad)
+        with torch.set_grad_enabled(grad):
+            out = L.LinearLogp.apply(
+                hidden[:, :-1].reshape(-1, 16), w, None, ids[:, 1:].reshape(-1), 1.0, 40
+            )
+            if grad:
+                out[:, 0].sum().backward()
+
+    run(20, True)  # one chunk: what a rank's priming passes give
+    run(33, False)
+    assert counters["stats"]["unique_graphs"] == 2
+    for t in (200, 41, 42, 82, 3, 121, 81):
+        run(t, True)
+        run(t, False)
+    assert counters["stats"]["unique_graphs"] == 2
+    torch._dynamo.reset()
