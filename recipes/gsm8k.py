@@ -30,9 +30,6 @@ def make_config() -> Config:
     cfg.rollout.reward = "arl.rewards.gsm8k:gsm8k_reward"
     cfg.actor.path = "HuggingFaceTB/SmolLM2-135M-Instruct"
     cfg.actor.use_decoupled_loss = True
-    # CUDA only: compiled decoder layers, compiled while the first batch generates; with
-    # steps of 150k+ tokens the fused kernels pay for it many times over.
-    cfg.actor.compile = True
     cfg.actor.eps_clip = 0.4
     cfg.actor.reward_bias = -0.5
     cfg.actor.reward_scaling = 10.0

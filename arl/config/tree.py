@@ -232,7 +232,11 @@ class ActorConfig:
         "micro-batch layout: packed rows with varlen attention (no padding) or padded rows "
         "(auto: packed on CUDA, padded on CPU, where packing would need a dense mask)",
     )
-    compile: bool = _f(False, "torch.compile each decoder layer of the trained model (CUDA)")
+    compile: bool = _f(
+        True,
+        "torch.compile each decoder layer of the trained model (CUDA; compiled while the "
+        "engines start)",
+    )
     cuda_graphs: bool = _f(
         True,
         "replay each small packed micro-batch's forward and backward as a CUDA graph, one per "

@@ -53,7 +53,14 @@ from arl.train.logp import (
     varlen_available,
 )
 from arl.train.packed import PackedMicroBatch, bucket_for, pack_micro_batch
-from arl.train.sharding import compute_dtype, full_tensor, load_sharded, local_tensor
+from arl.train.sharding import (
+    compile_failed,
+    compute_dtype,
+    full_tensor,
+    load_sharded,
+    local_tensor,
+    uncompile_layers,
+)
 from arl.train.stats import StatSums
 from arl.wire.rendezvous import split_tcp_url, tcp_store
 
@@ -195,12 +202,30 @@ class FSDPEngine:
         steps: the token count, the longest sequence). It runs when the rank is built, while the
         inference engines load and warm up, so neither the first step nor the start-up waits for
         it; the passes hold a few hundred tokens of activations, handed back to the device
-        afterwards. Collective; returns the seconds it took (``prime_s``). Off CUDA nothing
+        afterwards. If the layers fail to compile, they run eagerly from then on, with one
+        warning. Collective; returns the seconds it took (``prime_s``). Off CUDA nothing
         compiles or selects kernels, and it does nothing."""
         if self.device.type != "cuda":
             return 0.0
         t0 = time.perf_counter()
-        self._passes([[48, 80, 72], [120, 33, 97, 64]])
+        shapes = [[48, 80, 72], [120, 33, 97, 64]]
+        try:
+            self._passes(shapes)
+        except Exception as err:
+            # Compiled layers are on by default: a model they cannot compile still trains.
+            if not (self.cfg.compile and compile_failed(err)):
+                raise
+            self.zero_grad()
+            n = uncompile_layers(self.forward_model)
+            log.warning(
+                "rank %d: torch.compile failed on the decoder layers (%s: %s); %d layers run "
+                "eagerly (set actor.compile=false to skip trying)",
+                self.rank,
+                type(err).__name__,
+                str(err).splitlines()[0][:300] if str(err) else "",
+                n,
+            )
+            self._passes(shapes)
         self.prime_s = time.perf_counter() - t0
         log.info(
             "rank %d: primed (compile=%s) in %.1f s", self.rank, self.cfg.compile, self.prime_s

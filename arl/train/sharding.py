@@ -106,6 +106,29 @@ def load_sharded(
     return LoadedModel(model, forward, master)
 
 
+def uncompile_layers(model: torch.nn.Module) -> int:
+    """Run every module of ``model`` that `load_sharded` compiled eagerly again (what
+    ``nn.Module.compile`` set is cleared); returns how many there were."""
+    n = 0
+    for m in model.modules():
+        if getattr(m, "_compiled_call_impl", None) is not None:
+            m._compiled_call_impl = None
+            n += 1
+    return n
+
+
+def compile_failed(err: BaseException) -> bool:
+    """Whether ``err`` is torch.compile's failure to compile (Dynamo or Inductor), as opposed
+    to an error of the computation itself (out of memory, a bad input)."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    try:
+        from torch._inductor.exc import InductorError
+    except ImportError:  # older torch wraps Inductor's errors in Dynamo's
+        InductorError = TorchDynamoException  # noqa: N806
+    return isinstance(err, TorchDynamoException | InductorError)
+
+
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a DTensor (all-gathered: collective); a plain tensor as it is."""
     return t.full_tensor() if isinstance(t, DTensor) else t
