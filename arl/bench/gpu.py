@@ -18,7 +18,7 @@ Sections (``--only`` picks some):
   same batches, for prompts of ``--prompt-len`` and for prompts of mixed lengths (rows spanning
   64 to ``--mixed-max`` positions); beside the floor over the rows' own lengths and the floor
   over the padded width sdpa reads.
-- ``train``: FSDP2 (one rank, bf16) tokens/s of ``compute_logp`` and of advantages + PPO update,
+- ``train``: one training rank's (bf16) tokens/s of ``compute_logp`` and of advantages + update,
   with model FLOP utilisation against the matmul peak measured in ``floors``, per variant:
   padded rows in 8192-token micro-batches (the layout before issue 16), packed rows with
   varlen attention and memory-sized micro-batches, and that with compiled decoder layers.
@@ -441,7 +441,7 @@ def synthetic_train_batch(
 
 
 def run_train(args: argparse.Namespace, path: str, floors: dict) -> list[dict]:
-    """FSDP2 tokens/s and MFU of compute_logp, the update, and the step as the trainer runs it
+    """One rank's tokens/s and MFU of compute_logp, the update, and the step as the trainer runs it
     (the update alone where it gives the proximal log-probs), per variant (``--train-variants``:
     ``padded`` is the layout as before issue 16, fixed 8192-token micro-batches; ``packed``
     packs rows with varlen attention and sizes micro-batches from free memory; ``+compile``
@@ -454,7 +454,10 @@ def run_train(args: argparse.Namespace, path: str, floors: dict) -> list[dict]:
     wbytes, _ = model_bytes(path)
     n_params = wbytes / 2
     peak = floors.get("bf16_flops", float("nan"))
-    print(f"\n## train: FSDP2 one rank, bf16, {tokens} tokens (64 samples, 128 + <=384)")
+    print(
+        f"\n## train: one rank (fp32 masters, bf16 passes), {tokens} tokens "
+        "(64 samples, 128 + <=384)"
+    )
     print(
         "| variant | compute_logp tokens/s | MFU | update tokens/s | MFU | whole step tokens/s | "
         "MFU | priming s / first step s | max abs logp diff |"
