@@ -146,19 +146,19 @@ def prepare_model(spec: str, tokenizer: str | None, workdir: Path) -> str:
     path = workdir / "random"
     model.save_pretrained(path)
     if tokenizer:
-        # The tokenizer's files only: a model folder passed as --tokenizer also holds weights,
-        # which would replace the random ones.
-        for f in Path(tokenizer).iterdir():
-            weights = f.suffix in (".safetensors", ".bin", ".pt", ".gguf") or "index" in f.name
-            if f.is_file() and not weights and f.name not in _MODEL_FILES:
-                shutil.copy(f, path / f.name)
+        from arl.train.fsdp import EXPORT_FILES
+
+        # The tokenizer's files only, as an export copies them: a model folder passed as
+        # --tokenizer also holds weights, which would replace the random ones, and a
+        # generation config whose EOS would end decode early.
+        for name in EXPORT_FILES:
+            f = Path(tokenizer) / name
+            if f.is_file() and name != "generation_config.json":
+                shutil.copy(f, path / name)
     else:
         # The train and decode sections never tokenize, but a model folder needs a tokenizer.
         (path / "tokenizer_config.json").write_text("{}")
     return str(path)
-
-
-_MODEL_FILES = ("config.json", "generation_config.json")
 
 
 def model_bytes(path: str) -> tuple[int, int]:

@@ -66,8 +66,9 @@ from arl.wire.rendezvous import split_tcp_url, tcp_store
 
 log = logging.getLogger(__name__)
 
-# Files copied next to saved weights so that the export loads as a complete HF model folder.
-_TOKENIZER_FILES = (
+# Files copied next to saved weights so that the export loads as a complete HF model folder
+# (the tokenizer and its generation config).
+EXPORT_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -222,7 +223,7 @@ class FSDPEngine:
                 "eagerly (set actor.compile=false to skip trying)",
                 self.rank,
                 type(err).__name__,
-                str(err).splitlines()[0][:300] if str(err) else "",
+                (str(err).splitlines() or [""])[0][:300],
                 n,
             )
             self._passes(shapes)
@@ -655,7 +656,7 @@ class FSDPEngine:
             out.mkdir(parents=True, exist_ok=True)
             self.model.save_pretrained(out, state_dict=state)
             src = Path(self.source_path)
-            for fname in _TOKENIZER_FILES:
+            for fname in EXPORT_FILES:
                 if (src / fname).is_file() and not (out / fname).exists():
                     shutil.copy2(src / fname, out / fname)
         dist.barrier()

@@ -31,4 +31,5 @@ def test_random_model_keeps_its_weights_when_the_tokenizer_comes_from_a_model_fo
 
 def test_random_model_without_a_tokenizer_is_a_valid_model_folder(tmp_path: Path):
     path = Path(prepare_model("random", None, tmp_path / "work"))
-    validate_model_dir(path)
+    assert (path / "tokenizer_config.json").read_text() == "{}"
+    validate_model_dir(path)  # raises if the folder is not a usable model folder
