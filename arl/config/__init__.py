@@ -12,6 +12,7 @@ from arl.config.files import converter, from_yaml, help_text, load_yaml, save_re
 from arl.config.overrides import apply_overrides, convert_value
 from arl.config.tree import (
     ActorConfig,
+    LoraConfig,
     ClusterConfig,
     Config,
     ConfigError,
@@ -37,6 +38,7 @@ __all__ = [
     "ROLLOUT_ENGINES",
     "TRAIN_ENGINES",
     "ActorConfig",
+    "LoraConfig",
     "Backend",
     "ClusterConfig",
     "Config",

@@ -8,7 +8,7 @@ import attrs
 import cattrs
 import yaml
 
-from arl.config.tree import Config, ConfigError, get_key
+from arl.config.tree import Config, ConfigError, field_keys, get_key
 from arl.config.validate import show_value, type_name
 
 
@@ -94,8 +94,9 @@ def help_text(cfg: Config | None = None) -> str:
     lines = []
     for section in attrs.fields(Config):
         lines.append(f"\n{section.name}: {section.metadata['help']}")
-        for field in attrs.fields(section.type):
-            key = f"{section.name}.{field.name}"
+        for key, field in field_keys().items():
+            if not key.startswith(section.name + "."):
+                continue
             default = show_value(get_key(cfg, key), quote=False)
             lines.append(f"  {key} ({type_name(field.type)}, {default}): {field.metadata['help']}")
     return "\n".join(lines).lstrip("\n") + "\n"

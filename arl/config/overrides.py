@@ -134,13 +134,17 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
                 parse_backend(value, "rollout" if key.startswith("rollout.") else "train")
             except ConfigError as e:
                 raise ConfigError(f"config key {key!r}: {e}") from None
-        section, _, name = key.partition(".")
-        target = getattr(cfg, section)
-        kind = attrs.fields_dict(Config)[section].type
-        if not isinstance(target, kind):  # a recipe replaced the section
-            raise ConfigError(
-                f"config key {key!r}: section {section} must be of type {kind.__name__}, got "
-                f"{show_value(target)}; a recipe sets its fields (cfg.{section}.NAME = ...)"
-            )
+        *path, name = key.split(".")
+        target: Any = cfg
+        kinds = Config
+        for i, part in enumerate(path):
+            target, kind = getattr(target, part), attrs.fields_dict(kinds)[part].type
+            if not isinstance(target, kind):  # a recipe replaced the section
+                section = ".".join(path[: i + 1])
+                raise ConfigError(
+                    f"config key {key!r}: section {section} must be of type {kind.__name__}, "
+                    f"got {show_value(target)}; a recipe sets its fields (cfg.{section}.NAME = ...)"
+                )
+            kinds = kind
         setattr(target, name, value)
     return cfg

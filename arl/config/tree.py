@@ -111,14 +111,16 @@ class RolloutConfig:
     max_head_offpolicyness: int = _f(
         2, "eta: how many policy versions older than the trainer a sample may be (0: synchronous)"
     )
-    gpu_sharing: Literal["concurrent", "alternate", "mps"] = _f(
+    gpu_sharing: Literal["concurrent", "alternate", "mps", "sleep"] = _f(
         "concurrent",
         "engines on a train rank's GPU: concurrent generates while the ranks train (the GPU "
         "time-slices between the two processes); alternate pauses their generation in place "
         "for each training step and weight sync, so each phase has the whole GPU (server "
         "engines, which cannot pause in place, abort and re-prefill their requests each step); "
         "mps runs both at once under a private NVIDIA MPS daemon (cluster.launcher=local), the "
-        "engine held to rollout.mps_engine_percent of the SMs",
+        "engine held to rollout.mps_engine_percent of the SMs; sleep is alternate with the engine's "
+        "memory given back while the ranks train (KV cache freed, weights dropped; woken with "
+        "the synced weights), for a model that does not fit twice",
     )
     mps_engine_percent: int = _f(
         50,
@@ -199,6 +201,20 @@ class GenerationConfig:
 
 
 @attrs.define(kw_only=True)
+class LoraConfig:
+    """LoRA adapters on the policy (``rank`` 0: off, the whole model trains)."""
+
+    rank: int = _f(0, "adapter rank r (0: no LoRA, a full fine-tune)")
+    alpha: float = _f(32.0, "adapter scale numerator: its output is multiplied by alpha / rank")
+    dropout: float = _f(0.0, "dropout on an adapter's input while training")
+    target_modules: list[str] = _f(
+        help="modules that get adapters, by name suffix (q_proj, ...), or all-linear: every "
+        "linear layer of the decoder but the output head",
+        factory=lambda: ["all-linear"],
+    )
+
+
+@attrs.define(kw_only=True)
 class ActorConfig:
     """The trained policy: model, optimizer and PPO/GRPO loss."""
 
@@ -241,6 +257,16 @@ class ActorConfig:
         True,
         "replay each small packed micro-batch's forward and backward as a CUDA graph, one per "
         "bucket of sizes (one CUDA rank, packed layout, no gradient checkpointing)",
+    )
+    lora: LoraConfig = attrs.field(
+        factory=LoraConfig,
+        metadata={"help": "LoRA adapters: only they train and only they are synced"},
+    )
+    offload: Literal["none", "optimizer"] = _f(
+        "none",
+        "optimizer: the fp32 master weights, gradients' fp32 sums and AdamW state live in host "
+        "memory and the optimizer steps on the CPU (a full fine-tune that does not fit the GPU "
+        "beside its engine); the GPU keeps the compute-dtype weights",
     )
     eps_clip: float = _f(0.4, "PPO clip range of the ratio (1 - eps, 1 + eps)")
     eps_clip_higher: float | None = _f(None, "upper clip range (none: eps_clip)")
@@ -352,6 +378,9 @@ class SaverConfig:
 
     freq_steps: int | None = _f(None, "save every this many steps (none: only at the end)")
     hf_export: bool = _f(True, "save in Hugging Face format (save_pretrained)")
+    lora_merged: bool = _f(
+        False, "with LoRA: also export the merged model (base + adapter) beside the adapter"
+    )
 
 
 @attrs.define(kw_only=True)
@@ -464,15 +493,28 @@ def _raise(problems: list[str]) -> None:
 
 
 def field_keys() -> dict[str, attrs.Attribute]:
-    """Every settable dotted key, ``section.field``, mapped to its attrs field."""
+    """Every settable dotted key, ``section.field`` (``section.sub.field`` inside a nested
+    section such as ``actor.lora``), mapped to its attrs field."""
     keys = {}
     for section in attrs.fields(Config):
-        for field in attrs.fields(section.type):
-            keys[f"{section.name}.{field.name}"] = field
+        keys.update(_leaf_fields(section.type, section.name))
     return keys
 
 
+def _leaf_fields(cls: type, prefix: str) -> dict[str, attrs.Attribute]:
+    out = {}
+    for field in attrs.fields(cls):
+        key = f"{prefix}.{field.name}"
+        if attrs.has(field.type):
+            out.update(_leaf_fields(field.type, key))
+        else:
+            out[key] = field
+    return out
+
+
 def get_key(cfg: Config, key: str) -> Any:
-    """The value at a dotted key such as ``actor.lr``."""
-    section, _, name = key.partition(".")
-    return getattr(getattr(cfg, section), name)
+    """The value at a dotted key such as ``actor.lr`` or ``actor.lora.rank``."""
+    value: Any = cfg
+    for name in key.split("."):
+        value = getattr(value, name)
+    return value

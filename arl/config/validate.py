@@ -106,13 +106,23 @@ def type_problems(cfg: Config) -> list[str]:
         if why:
             problems.append(f"{section.name}={show_value(value)}: {why}")
             continue
-        for field in attrs.fields(section.type):
-            v = getattr(value, field.name)
-            why = _type_problem(v, field.type)
-            if not why and (field.type is float or field.type == float | None):
-                why = _finite_problem(f"{section.name}.{field.name}", v)
-            if why:
-                problems.append(f"{section.name}.{field.name}={show_value(v)}: {why}")
+        problems += _section_type_problems(value, section.name)
+    return problems
+
+
+def _section_type_problems(section: Any, prefix: str) -> list[str]:
+    """`type_problems` of one section's fields; a nested section's (``actor.lora``) in turn."""
+    problems = []
+    for field in attrs.fields(type(section)):
+        v, key = getattr(section, field.name), f"{prefix}.{field.name}"
+        why = _type_problem(v, field.type)
+        if not why and attrs.has(field.type):
+            problems += _section_type_problems(v, key)
+            continue
+        if not why and (field.type is float or field.type == float | None):
+            why = _finite_problem(key, v)
+        if why:
+            problems.append(f"{key}={show_value(v)}: {why}")
     return problems
 
 
