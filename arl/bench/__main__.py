@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "gpu": ("arl.bench.gpu", "GPU decode, training and weight-sync figures beside their floors"),
     "sync": ("arl.bench.sync", "weight-sync seconds per mode in a recipe, beside the copy floor"),
     "loop": ("arl.bench.loop", "a recipe's RL step phase by phase beside its floors, profiled"),
+    "scale": ("arl.bench.scale", "the RL loop at 1.5B/3B/7B shapes on one GPU: step, MFU, memory"),
 }
 
 

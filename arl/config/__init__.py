@@ -12,7 +12,6 @@ from arl.config.files import converter, from_yaml, help_text, load_yaml, save_re
 from arl.config.overrides import apply_overrides, convert_value
 from arl.config.tree import (
     ActorConfig,
-    LoraConfig,
     ClusterConfig,
     Config,
     ConfigError,
@@ -20,6 +19,7 @@ from arl.config.tree import (
     EvaluatorConfig,
     ExperimentConfig,
     GenerationConfig,
+    LoraConfig,
     MiB,
     Norm,
     RecoverConfig,
