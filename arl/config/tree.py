@@ -119,8 +119,8 @@ class RolloutConfig:
         "engines, which cannot pause in place, abort and re-prefill their requests each step); "
         "mps runs both at once under a private NVIDIA MPS daemon (cluster.launcher=local), the "
         "engine held to rollout.mps_engine_percent of the SMs; sleep is alternate with the "
-        "engine's memory given back while the ranks train (KV cache freed, weights dropped; woken with "
-        "the synced weights), for a model that does not fit twice",
+        "engine's memory given back while the ranks train (KV cache freed, weights dropped; "
+        "woken with the synced weights), for a model that does not fit twice",
     )
     mps_engine_percent: int = _f(
         50,
