@@ -84,10 +84,13 @@ GSM8K_SHAPE = ["data.batch_size=64", "gconfig.n_samples=4", "gconfig.max_new_tok
 CPU_SHAPE = ["data.batch_size=2", "gconfig.n_samples=2", "gconfig.max_new_tokens=8"]
 
 
-def build_random_model(shape: str, workdir: Path, device: str) -> Path:
-    """A HF folder of ``shape`` with random bf16 weights (fp32 on CPU), the default model's
-    tokenizer files and no EOS; built on ``device`` (a 7B model initialises in seconds on a GPU,
-    minutes on a CPU). Kept under ``workdir/shape`` and reused when already complete."""
+def build_random_model(
+    shape: str, workdir: Path, device: str, tokenizer: str | None = None
+) -> Path:
+    """A HF folder of ``shape`` with random bf16 weights (fp32 on CPU), the tokenizer files of
+    ``tokenizer`` (a folder; none: the default model's) and no EOS; built on ``device`` (a 7B
+    model initialises in seconds on a GPU, minutes on a CPU). Kept under ``workdir/shape`` and
+    reused when already complete."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -117,10 +120,10 @@ def build_random_model(shape: str, workdir: Path, device: str) -> Path:
     model.generation_config.eos_token_id = None
     model.save_pretrained(path)
     del model
-    tokenizer = Path(resolve_model(ActorConfig().path))
+    source = Path(tokenizer or resolve_model(ActorConfig().path))
     for name in EXPORT_FILES:
-        if (tokenizer / name).is_file() and name != "generation_config.json":
-            (path / name).write_bytes((tokenizer / name).read_bytes())
+        if (source / name).is_file() and name != "generation_config.json":
+            (path / name).write_bytes((source / name).read_bytes())
     (path / "done").write_text("")
     return path
 
@@ -213,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", choices=sorted(SHAPES), default="q1p5b")
     p.add_argument("--lora", type=int, default=0, help="LoRA rank on all linear layers (0: full)")
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument(
+        "--tokenizer", default=None, help="folder of tokenizer files (default: the default model's)"
+    )
     p.add_argument("--models", type=Path, default=Path("runs/bench-scale-models"))
     p.add_argument("--run-dir", type=Path, default=Path("runs/bench-scale"))
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
@@ -230,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.monotonic()
-    model = build_random_model(a.shape, a.models, device)
+    model = build_random_model(a.shape, a.models, device, a.tokenizer)
     build_s = time.monotonic() - t0
     n_params = _count_params(model)
     shape = GSM8K_SHAPE if device == "cuda" else CPU_SHAPE
