@@ -36,6 +36,9 @@ def test_loop_bench_writes_every_phase_beside_its_floor(tmp_path, tiny_model, ca
     assert set(m["phases"]) == set(phases)
     for name in phases:
         assert m["phases"][name]["median_s"] >= 0 and m["phases"][name]["floor_s"] >= 0
+        assert m["phases"][name]["mean_s"] >= 0
+    steady = [r["time/step_s"] for r in m["per_step"][1:]]  # the mean a user feels: steps 2..N
+    assert m["mean_step_s"] == pytest.approx(sum(steady) / len(steady))
     logp = m["phases"]["logp"]  # no pass of its own (and so no floor) when the update folds it
     assert (logp["floor_s"] > 0) == (logp["median_s"] > 0), logp
     assert m["phases"]["weight_sync"]["floor_s"] > 0
