@@ -130,8 +130,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(base: dict, world_size: int, out: Path, timeout: float = 300.0) -> list[dict]:
-    """Start ``world_size`` rank processes on ``base``; wait; return each rank's JSON result."""
+def run_ranks(
+    base: dict, world_size: int, out: Path, timeout: float = 300.0, script: str = __file__
+) -> list[dict]:
+    """Start ``world_size`` rank processes of ``script`` (a file whose ``__main__`` runs one
+    rank on a spec file, this one's by default) on ``base``; wait; return each rank's JSON
+    result (``rank{r}.json`` under ``out``)."""
     out.mkdir(parents=True, exist_ok=True)
     init = f"tcp://127.0.0.1:{_free_port()}"
     env = {
@@ -150,7 +154,7 @@ def run_ranks(base: dict, world_size: int, out: Path, timeout: float = 300.0) ->
             procs.append(
                 (
                     subprocess.Popen(
-                        [sys.executable, __file__, str(path)],
+                        [sys.executable, script, str(path)],
                         env=env,
                         stdout=log,
                         stderr=subprocess.STDOUT,
