@@ -33,12 +33,13 @@ BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask", "logprobs", "prox_logp
 
 
 def _full(named) -> dict[str, torch.Tensor]:
-    return {k: v.detach().float().clone().contiguous() for k, v in named}
+    return {k: v.detach().float().cpu().clone() for k, v in named}
 
 
 def rank_main(spec: dict) -> None:
-    """One LoRA rank: writes the initial and updated adapters, its batch share, the first
-    pass's gradients, the base after the updates, the sync views and the export."""
+    """One LoRA rank (on CPU, or with ``spec["cuda"]`` on GPU ``rank``): writes the initial and
+    updated adapters, its batch share, the first pass's gradients, the base after the updates,
+    the sync views and the export."""
     from arl.algo.packing import concat_shards
     from arl.engines.hf import checksum_named_tensors
     from arl.engines.lora import is_lora_name
@@ -52,6 +53,7 @@ def rank_main(spec: dict) -> None:
         rank=rank,
         world_size=spec["world_size"],
         init_method=spec["init_method"],
+        device=f"cuda:{rank}" if spec.get("cuda") else "cpu",
         seed=spec["seed"],
     )
     eng = w.engine
@@ -77,7 +79,7 @@ def rank_main(spec: dict) -> None:
     result["trainable"] = sorted(n for n, p in eng.model.named_parameters() if p.requires_grad)
     after = _full(eng.state_dict_for_sync())
     base = {
-        n: full_tensor(t).detach().contiguous()
+        n: full_tensor(t).detach().cpu().contiguous()
         for n, t in eng.model.state_dict().items()
         if not is_lora_name(n)
     }
@@ -104,7 +106,7 @@ def rank_main(spec: dict) -> None:
         save_file(after, str(out / "after.safetensors"))
         save_file(grads, str(out / "grads.safetensors"))
         save_file(base, str(out / "base.safetensors"))
-        save_file({k: v.float() for k, v in synced}, str(out / "synced.safetensors"))
+        save_file({k: v.float().cpu() for k, v in synced}, str(out / "synced.safetensors"))
     save_file(
         {"ref": ref_after.contiguous(), "policy": policy_after.contiguous()},
         str(out / f"logp{rank}.safetensors"),
