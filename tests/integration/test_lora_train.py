@@ -310,5 +310,44 @@ def test_export_round_trips_through_peft_and_the_merged_model(runs, run):
         assert torch.allclose(via_merged[mask], trained[mask], atol=1e-4)
 
 
+def run_bf16_dp2(tmp: Path, cuda: bool = False) -> None:
+    """Two LoRA ranks with a bf16 base (FSDP2's mixed precision: fp32 adapters gathered in
+    bf16, gradients reduced in fp32, the frozen bf16 base gathered as it is) on the same batch
+    as the fp32 runs; asserts what must hold in any dtype. ``cuda``: GPUs 0 and 1 (NCCL)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.integration.test_fsdp_equivalence import save_tiny_llama
+
+    model = save_tiny_llama(tmp / "model", seed=2)
+    actor = {**ACTOR, "path": str(model), "dtype": "bfloat16"}
+    spec = {"actor": actor, "data_seed": 7, "seed": 3, "shards_of_rank": DP2_SHARDS}
+    out = tmp / "run"
+    results = run_ranks({**spec, "cuda": cuda}, 2, out, script=__file__)
+    for r in results:
+        assert r["optimizer_state"] == r["trainable"] and len(r["trainable"]) == 28
+        assert r["ref_equals_policy_at_start"] and not r["ref_is_copy"]
+        assert sorted(n for n, _, _ in r["specs"]) == r["trainable"]
+        assert r["tied"] == {} and r["checksum_matches"]
+        for st in r["stats"]:
+            assert st["skipped"] == 0.0 and 0 < st["grad_norm"] < float("inf")
+    assert results[0]["stats"] == results[1]["stats"]
+    init = load_file(str(out / "init.safetensors"))
+    after = load_file(str(out / "after.safetensors"))
+    assert max((after[n] - init[n]).abs().max().item() for n in init) > 1e-3
+    original = load_file(str(model / "model.safetensors"))
+    for n, t in load_file(str(out / "base.safetensors")).items():
+        assert t.dtype == torch.bfloat16  # the frozen base in the compute dtype, unchanged
+        assert torch.equal(t, original[n.replace(".base_layer.", ".")].bfloat16()), n
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    PeftModel.from_pretrained(base, out / "hf")
+    merged = AutoModelForCausalLM.from_pretrained(out / "hf" / "merged")
+    assert merged.dtype == torch.bfloat16  # saved in the base's dtype
+
+
+def test_lora_fsdp_with_a_bf16_base(tmp_path):
+    run_bf16_dp2(tmp_path)
+
+
 if __name__ == "__main__":
     rank_main(json.loads(Path(sys.argv[1]).read_text()))
