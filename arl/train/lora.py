@@ -45,18 +45,50 @@ def inject_adapters(model: torch.nn.Module, lora: Mapping[str, Any]) -> list[tor
     optimizer state and the updates of a bf16 adapter would lose small steps), so they are cast
     back. On a bf16 base, A starts as bf16-rounded random values: any A is a valid start."""
     model.requires_grad_(False)
-    add_lora(model, lora)
-    params = [p for name, p in model.named_parameters() if is_lora_name(name)]
-    if not params:
+    try:
+        add_lora(model, lora)
+    except ValueError as err:  # peft's: no module matched the targets
         raise ValueError(
             f"actor.lora.target_modules={list(lora.get('target_modules') or [])} matched no "
-            f"module of {type(model).__name__}; name linear layers by suffix (q_proj, ...) or "
-            "use all-linear"
-        )
+            f"module of {type(model).__name__} ({err}); name linear layers by suffix "
+            "(q_proj, ...) or use all-linear"
+        ) from err
+    params = [p for name, p in model.named_parameters() if is_lora_name(name)]
     for p in params:
         p.data = p.data.float()
         p.requires_grad_(True)
     return params
+
+
+def compute_adapters_in(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Run every LoRA adapter of ``model`` in ``dtype`` while its weights stay fp32 (one rank's
+    mixed precision, what FSDP2's policy does on several): each A and B multiplies by its
+    weight cast to ``dtype``, whose gradient autograd casts back into the fp32 ``.grad``, and
+    the layer's input is no longer cast to the weights' dtype (peft's
+    ``cast_input_dtype_enabled``). Without this peft casts each adapted layer's input to fp32;
+    measured on one H200 at Qwen2.5-1.5B's shape, that made a LoRA update slower than a full
+    fine-tune's. Returns the number of adapted layers."""
+    from peft.tuners.lora.layer import LoraLayer
+
+    n = 0
+    for layer in model.modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        layer.cast_input_dtype_enabled = False
+        for linear in [*layer.lora_A.values(), *layer.lora_B.values()]:
+            linear.forward = _linear_in(linear, dtype)
+        n += 1
+    return n
+
+
+def _linear_in(linear: torch.nn.Linear, dtype: torch.dtype):
+    """``linear``'s forward with its parameters cast to ``dtype`` (the input must be in it)."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        bias = None if linear.bias is None else linear.bias.to(dtype)
+        return torch.nn.functional.linear(x, linear.weight.to(dtype), bias)
+
+    return forward
 
 
 def _tuner_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

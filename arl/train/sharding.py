@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from arl.config import ActorConfig
 from arl.train.logp import ChunkedLogpHead, register_varlen, transforms_logits
-from arl.train.lora import inject_adapters
+from arl.train.lora import compute_adapters_in, inject_adapters
 from arl.train.master import MasterWeights
 
 
@@ -56,7 +56,8 @@ def load_sharded(
 
     With ``lora`` (``actor.lora`` as a dict, rank > 0) a trainable model is its frozen base in
     ``compute_dtype`` plus fp32 adapters (`arl.train.lora`), injected before FSDP wraps the
-    layers; one rank keeps no master copy: ``forward`` is ``model``.
+    layers; one rank keeps no master copy (``forward`` is ``model``) and runs the adapters in
+    ``compute_dtype`` itself.
     """
     from transformers import AutoModelForCausalLM
 
@@ -82,6 +83,8 @@ def load_sharded(
         model.to(torch.device(device, torch.cuda.current_device()) if device == "cuda" else device)
         if masters and compute_dtype != torch.float32:
             master = MasterWeights(model, compute_dtype)
+        if trainable and lora is not None and compute_dtype != torch.float32:
+            compute_adapters_in(model, compute_dtype)
     forward = master.forward if master is not None else model
     head = forward.get_output_embeddings()
     if isinstance(head, torch.nn.Linear) and not transforms_logits(forward.config):
