@@ -829,6 +829,12 @@ def _check_config(cfg: ActorConfig, total_steps: int | None) -> None:
         )
     if cfg.behav_imp_weight_cap is not None and cfg.behav_imp_weight_cap <= 1:
         raise ConfigError(f"actor.behav_imp_weight_cap must be > 1, got {cfg.behav_imp_weight_cap}")
+    lora = cfg.lora
+    if lora.rank < 0 or (lora.rank > 0 and (lora.alpha <= 0 or not 0 <= lora.dropout < 1)):
+        raise ConfigError(
+            f"actor.lora needs rank >= 0 (0: off), alpha > 0 and 0 <= dropout < 1; got "
+            f"rank={lora.rank}, alpha={lora.alpha}, dropout={lora.dropout}"
+        )
     if cfg.lr_scheduler != "constant" and (total_steps is None or total_steps <= cfg.warmup_steps):
         raise ConfigError(
             f"actor.lr_scheduler={cfg.lr_scheduler!r} needs total_steps (optimizer steps of the "
