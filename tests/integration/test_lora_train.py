@@ -29,6 +29,7 @@ ACTOR = {
     "lora": LORA,
 }
 N_UPDATES = 2
+PROBE = list(range(3, 40))
 BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask", "logprobs", "prox_logp", "advantages")
 
 
@@ -86,6 +87,7 @@ def rank_main(spec: dict) -> None:
     # the reference after the updates: still the base, whatever the adapters learned
     ref_after = eng.compute_ref_logp(batch)
     policy_after = eng.compute_logp(batch)
+    result["score"] = w.score(PROBE)  # what weight_sync.verify compares with the engines'
 
     # what a weight sync moves, in the engines' dtype
     w.set_sync_dtype("bfloat16")
@@ -308,6 +310,10 @@ def test_export_round_trips_through_peft_and_the_merged_model(runs, run):
             via_peft, via_merged = _logp(adapted, part), _logp(merged, part)
         assert torch.allclose(via_peft[mask], trained[mask], atol=1e-5)
         assert torch.allclose(via_merged[mask], trained[mask], atol=1e-4)
+    probe = torch.tensor([PROBE])
+    with torch.no_grad():
+        want = _logp(adapted, {"input_ids": probe, "attention_mask": torch.ones_like(probe)})
+    assert torch.allclose(torch.tensor(results[0]["score"]), want[0, 1:], atol=1e-5)
 
 
 def run_bf16_dp2(tmp: Path, cuda: bool = False) -> None:
