@@ -2,12 +2,12 @@
 
 With ``actor.lora.rank > 0`` the base is loaded in the compute dtype and frozen, and the
 adapters of `arl.engines.lora` (the names the engines receive) are injected before FSDP shards
-the model. The adapters are the only trainable parameters and stay fp32: on one rank the
-passes run on the model itself (peft computes the adapter's path in its weights' dtype; no
-fp32 copy of the base exists, which is the memory LoRA saves); under FSDP2 the mixed-precision
-policy gathers them in the compute dtype and reduces their gradients in fp32, and the frozen
-base, whose dtype is already the compute dtype, is gathered as it is (FSDP2 asks a uniform
-dtype of a unit's *trainable* parameters only).
+the model. The adapters are the only trainable parameters; they stay fp32 and compute in the
+compute dtype. On one rank the passes run on the model itself (no fp32 copy of the base exists,
+which is the memory LoRA saves) and each adapter casts its weights (`compute_adapters_in`);
+under FSDP2 the mixed-precision policy gathers them in the compute dtype and reduces their
+gradients in fp32, and the frozen base, whose dtype is already the compute dtype, is gathered
+as it is (FSDP2 asks a uniform dtype of a unit's *trainable* parameters only).
 
 The reference of a KL penalty is the starting policy: base + adapter with B = 0, i.e. the base.
 `adapters_disabled` runs the policy's own model as that, instead of holding a second copy.
@@ -65,9 +65,10 @@ def compute_adapters_in(model: torch.nn.Module, dtype: torch.dtype) -> int:
     mixed precision, what FSDP2's policy does on several): each A and B multiplies by its
     weight cast to ``dtype``, whose gradient autograd casts back into the fp32 ``.grad``, and
     the layer's input is no longer cast to the weights' dtype (peft's
-    ``cast_input_dtype_enabled``). Without this peft casts each adapted layer's input to fp32;
-    measured on one H200 at Qwen2.5-1.5B's shape, that made a LoRA update slower than a full
-    fine-tune's. Returns the number of adapted layers."""
+    ``cast_input_dtype_enabled``). Without this peft casts each adapted layer's input to fp32
+    and runs the adapter in fp32: measured on one H200 at Qwen2.5-1.5B's shape (27k tokens,
+    compiled layers), such a LoRA update took 0.70 s, more than an uncompiled full fine-tune's
+    0.61 s. Returns the number of adapted layers."""
     from peft.tuners.lora.layer import LoraLayer
 
     n = 0
