@@ -561,7 +561,7 @@ class PPOTrainer:
         """Export the policy as an HF folder loadable by from_pretrained."""
         path = self.cfg.run_path / "checkpoints" / f"step{self.step}"
         path.parent.mkdir(parents=True, exist_ok=True)
-        await self.ranks.save_hf(str(path))
+        await self.ranks.save_hf(str(path), self.cfg.saver.lora_merged)
         return path
 
     async def save_recovery(self) -> None:

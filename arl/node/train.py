@@ -204,7 +204,7 @@ class TrainWorker:
     # ---- weights (what the arl.weights plug-ins use) -------------------------------------
     def full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full (unsharded) named weights in the sync dtype, yielded on rank 0; every rank must
-        iterate to the end (collective gathers)."""
+        iterate to the end (collective gathers). With LoRA: the adapter's tensors only."""
         return self.engine.state_dict_for_sync(self.sync_dtype)
 
     def set_sync_dtype(self, dtype: str | None) -> None:
@@ -212,10 +212,11 @@ class TrainWorker:
         self.sync_dtype = None if dtype is None else parse_dtype(dtype)
 
     def weight_specs(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        """``(name, full shape, sync dtype)`` of every weight, in state-dict order; no gathers."""
+        """``(name, full shape, sync dtype)`` of every synced weight (with LoRA the adapter's),
+        in state-dict order; no gathers."""
         return [
             (name, tuple(t.shape), self.sync_dtype or t.dtype)
-            for name, t in self.engine.model.state_dict().items()
+            for name, t in self.engine.synced_state()
         ]
 
     def weight_sources(self) -> list[tuple[str, torch.Tensor]] | None:
@@ -226,11 +227,13 @@ class TrainWorker:
         """Tied weight names -> the first name of the same tensor (e.g. lm_head -> embed)."""
         return self.engine.tied_weights()
 
-    def save_hf(self, path: str) -> None:
-        """Write the weights as an HF folder (every rank calls; rank 0 writes), atomically."""
+    def save_hf(self, path: str, merged: bool = False) -> None:
+        """Write the weights as an HF folder (every rank calls; rank 0 writes), atomically; with
+        LoRA the adapter (peft format), and with ``merged`` also ``merged/``, the base with the
+        adapter merged in."""
         tmp, old = f"{path}.tmp", f"{path}.old"
         try:
-            self.engine.save_hf(tmp)
+            self.engine.save_hf(tmp, merged=merged)
             if self.rank == 0:
                 if os.path.exists(path):  # this run's own earlier export of the step (a restart)
                     shutil.rmtree(old, ignore_errors=True)
@@ -246,7 +249,8 @@ class TrainWorker:
             shutil.rmtree(old, ignore_errors=True)
 
     def weights_checksum(self) -> str:
-        """Checksum of the full weights, comparable with an inference engine's."""
+        """Checksum of the synced weights (with LoRA the adapter's), comparable with an
+        inference engine's."""
         return checksum_named_tensors(self.full_state())
 
     def score(self, token_ids: list[int], weights_dtype: str | None = None) -> list[float]:

@@ -72,8 +72,9 @@ class TrainWorkerAPI(Protocol):
         ``weights_dtype`` first, when given)."""
         ...
 
-    def save_hf(self, path: str) -> None:
-        """Export the policy as an HF folder."""
+    def save_hf(self, path: str, merged: bool = False) -> None:
+        """Export the policy as an HF folder (with LoRA the adapter, and with ``merged`` the
+        merged model under ``merged/``)."""
         ...
 
     def save_state(self, path: str) -> None:
@@ -210,9 +211,9 @@ class TrainRanks:
         """Every rank's log-probs of ``token_ids[1:]`` (weights rounded to ``weights_dtype``)."""
         return await self.call("score", self._same(token_ids, weights_dtype))
 
-    async def save_hf(self, path: str) -> None:
-        """Export the policy under ``path``."""
-        await self.call("save_hf", self._same(path))
+    async def save_hf(self, path: str, merged: bool = False) -> None:
+        """Export the policy under ``path`` (``merged``: with LoRA, also the merged model)."""
+        await self.call("save_hf", self._same(path, merged))
 
     async def save_state(self, path: str) -> None:
         """Save model and optimizer state under ``path``."""

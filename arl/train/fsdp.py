@@ -44,6 +44,7 @@ from arl.algo.packing import (
 from arl.algo.rewards import normalize_rewards, transform_rewards
 from arl.algo.schedule import lr_at
 from arl.config import ActorConfig, ConfigError
+from arl.engines.lora import is_lora_name, save_adapter
 from arl.train.graphs import MicroBatchGraphs
 from arl.train.logp import (
     Layout,
@@ -52,6 +53,7 @@ from arl.train.logp import (
     resolve_layout,
     varlen_available,
 )
+from arl.train.lora import adapters_disabled, lora_settings, merged_state
 from arl.train.packed import PackedMicroBatch, bucket_for, pack_micro_batch
 from arl.train.sharding import (
     compile_failed,
@@ -117,6 +119,8 @@ class FSDPEngine:
         self.compute_dtype = compute_dtype(cfg, self.device)
         self.layout: Layout = resolve_layout(cfg.layout, self.device)
         varlen = self.layout == "packed" and varlen_available(self.device)
+        # With LoRA (`arl.train.lora`) only the adapters train, sync and export.
+        self.lora = lora_settings(cfg)
         # ``model`` holds the trained weights (what the optimizer steps, checkpoints and weight
         # syncs read); passes run on ``forward_model``: the same module, or on one rank in
         # mixed precision its compute-dtype copy (`arl.train.master`).
@@ -128,12 +132,16 @@ class FSDPEngine:
             gradient_checkpointing=cfg.gradient_checkpointing,
             varlen=varlen,
             compile_layers=cfg.compile and self.device.type == "cuda",
+            lora=self.lora,
         )
+        # What the optimizer steps, the gradients clip and CUDA graphs hold: every parameter,
+        # or with LoRA the adapters alone.
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self._bytes_per_token = _activation_bytes_per_token(self.model.config, cfg)
         self.model.train()
         self.forward_model.train()
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            self.trainable,
             lr=cfg.lr,
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             eps=cfg.adam_eps,
@@ -143,7 +151,12 @@ class FSDPEngine:
             fused=self.device.type == "cuda",
         )
         self.ref: torch.nn.Module | None = None
-        if cfg.kl_ctl > 0:
+        # With LoRA the starting policy is the base: the reference is the policy's own model
+        # with its adapters bypassed, unless another model is asked for.
+        self._ref_is_base = (
+            cfg.kl_ctl > 0 and self.lora is not None and ref_path in (None, cfg.path)
+        )
+        if cfg.kl_ctl > 0 and not self._ref_is_base:
             self.ref = load_sharded(
                 ref_path or cfg.path,
                 self.mesh,
@@ -190,7 +203,7 @@ class FSDPEngine:
         if self._master is not None:
             self._master.hold_grads()
         else:
-            for p in self.model.parameters():
+            for p in self.trainable:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
         return MicroBatchGraphs(self.device, cap)
@@ -289,7 +302,11 @@ class FSDPEngine:
         return self._logp(self.forward_model, batch)
 
     def compute_ref_logp(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Log-prob [B, L] under the frozen reference model (needs kl_ctl > 0)."""
+        """Log-prob [B, L] under the frozen reference model (needs kl_ctl > 0): with LoRA
+        and no other reference model, the policy's base (its adapters bypassed)."""
+        if self._ref_is_base:
+            with adapters_disabled(self.forward_model) as base:
+                return self._logp(base, batch)
         if self.ref is None:
             raise RuntimeError(
                 "no reference model is loaded: it exists only when actor.kl_ctl > 0 "
@@ -568,7 +585,7 @@ class FSDPEngine:
 
     def _clip_gradients(self) -> float:
         """Global L2 norm of the gradients (all ranks), clipped to cfg.grad_clip when finite."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = [p for p in self.trainable if p.grad is not None]
         total = full_tensor(torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0))
         norm = float(total)
         if math.isfinite(norm):
@@ -578,7 +595,7 @@ class FSDPEngine:
     def gradients(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full (unsharded) gradients by parameter name, yielded on rank 0; collective."""
         for name, p in self.model.named_parameters():
-            if p.grad is None:
+            if not p.requires_grad or p.grad is None:
                 continue
             full = full_tensor(p.grad)
             if self.rank == 0:
@@ -599,36 +616,55 @@ class FSDPEngine:
 
     # ------------------------------------------------------------------ weights and state
 
+    def synced_state(self) -> list[tuple[str, torch.Tensor]]:
+        """The state-dict entries a weight sync moves (full shapes; DTensors under FSDP), in
+        state-dict order: all of them, or with LoRA the adapter's alone (the engines hold the
+        same frozen base)."""
+        items = self.model.state_dict().items()
+        if self.lora is None:
+            return list(items)
+        return [(name, t) for name, t in items if is_lora_name(name)]
+
     def state_dict_for_sync(
         self, dtype: torch.dtype | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors by HF name, yielded on rank 0 (on this engine's device); collective:
-        every rank must iterate it to the end, since each tensor is all-gathered."""
+        """The tensors of `synced_state` whole, yielded on rank 0 (on this engine's device);
+        collective: every rank must iterate it to the end, since each tensor is all-gathered."""
         sources = self.weight_sources()
         if sources is not None:  # one rank: the shards are the full tensors, nothing to gather
             for name, t in sources:
                 yield name, t if dtype is None else t.to(dtype)
             return
-        for name, t in self.model.state_dict().items():
+        yield from self._gathered(self.synced_state(), dtype)
+
+    def _gathered(
+        self, named: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each of ``named`` whole (all-gathered one at a time), yielded on rank 0; collective."""
+        for name, t in named:
             full = full_tensor(t).detach()
             if self.rank == 0:
                 yield name, full if dtype is None else full.to(dtype)
 
     def weight_sources(self) -> list[tuple[str, torch.Tensor]] | None:
-        """The full weights by HF name as views of this rank's shards (no gather, no copy) when
-        it is the only rank; None with more ranks (`state_dict_for_sync` gathers them).
+        """The tensors of `synced_state` as views of this rank's shards (no gather, no copy)
+        when it is the only rank; None with more ranks (`state_dict_for_sync` gathers them).
 
-        The list is kept while every parameter and buffer is the same tensor in the same memory
+        The list is kept while every synced tensor is the same tensor in the same memory
         (checked on each call, ~1 us per tensor), since a state dict costs ~10 ms to build.
         """
         if self.world_size != 1:
             return None
-        tensors = [*self.model.parameters(), *self.model.buffers()]
+        tensors = (
+            self.trainable
+            if self.lora is not None
+            else [*self.model.parameters(), *self.model.buffers()]
+        )
         key = [(id(t), local_tensor(t).data_ptr()) for t in tensors]
         if self._sources is not None and key == self._sources_key:
             return self._sources
         out = []
-        for name, t in self.model.state_dict().items():
+        for name, t in self.synced_state():
             local = local_tensor(t)
             if tuple(local.shape) != tuple(t.shape):
                 return None
@@ -637,7 +673,10 @@ class FSDPEngine:
         return out
 
     def tied_weights(self) -> dict[str, str]:
-        """State-dict names that alias an earlier name's tensor (tied embeddings), to it."""
+        """State-dict names that alias an earlier name's tensor (tied embeddings), to it; none
+        among LoRA adapters."""
+        if self.lora is not None:
+            return {}
         first: dict[tuple[int, tuple[int, ...]], str] = {}
         tied = {}
         for name, t in self.model.state_dict().items():
@@ -648,18 +687,41 @@ class FSDPEngine:
                 first[key] = name
         return tied
 
-    def save_hf(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
-        """Save the policy as a HF model folder (weights, config, tokenizer files); collective."""
-        state = {name: t.cpu() for name, t in self.state_dict_for_sync(dtype)}
+    def save_hf(
+        self, path: str | Path, dtype: torch.dtype | None = None, *, merged: bool = False
+    ) -> None:
+        """Save the policy as a HF model folder (weights, config, tokenizer files); collective.
+
+        With LoRA the folder holds the adapter in peft's format (its base: ``actor.path``) and
+        the tokenizer files; ``merged`` adds ``merged/``, a whole HF model folder of the base
+        with the adapter merged in (`arl.train.lora.merged_state`)."""
+        out = Path(path)
+        if self.lora is None:
+            state = {name: t.cpu() for name, t in self.state_dict_for_sync(dtype)}
+            if self.rank == 0:
+                out.mkdir(parents=True, exist_ok=True)
+                self.model.save_pretrained(out, state_dict=state)
+                self._copy_export_files(out)
+            dist.barrier()
+            return
+        adapter = [(name, t.cpu()) for name, t in self.state_dict_for_sync(dtype)]
+        full = []
+        if merged:
+            full = [(n, t.cpu()) for n, t in self._gathered(list(self.model.state_dict().items()))]
         if self.rank == 0:
-            out = Path(path)
-            out.mkdir(parents=True, exist_ok=True)
-            self.model.save_pretrained(out, state_dict=state)
-            src = Path(self.source_path)
-            for fname in EXPORT_FILES:
-                if (src / fname).is_file() and not (out / fname).exists():
-                    shutil.copy2(src / fname, out / fname)
+            save_adapter(out, adapter, self.lora, base_model=self.source_path)
+            self._copy_export_files(out)
+            if merged:
+                self.model.save_pretrained(out / "merged", state_dict=merged_state(full, self.lora))
+                self._copy_export_files(out / "merged")
         dist.barrier()
+
+    def _copy_export_files(self, out: Path) -> None:
+        """The model's tokenizer and generation config beside exported weights."""
+        src = Path(self.source_path)
+        for fname in EXPORT_FILES:
+            if (src / fname).is_file() and not (out / fname).exists():
+                shutil.copy2(src / fname, out / fname)
 
     def get_step(self) -> int:
         """Optimizer steps taken (skipped steps do not count); drives the LR schedule."""
@@ -767,6 +829,12 @@ def _check_config(cfg: ActorConfig, total_steps: int | None) -> None:
         )
     if cfg.behav_imp_weight_cap is not None and cfg.behav_imp_weight_cap <= 1:
         raise ConfigError(f"actor.behav_imp_weight_cap must be > 1, got {cfg.behav_imp_weight_cap}")
+    lora = cfg.lora
+    if lora.rank < 0 or (lora.rank > 0 and (lora.alpha <= 0 or not 0 <= lora.dropout < 1)):
+        raise ConfigError(
+            f"actor.lora needs rank >= 0 (0: off), alpha > 0 and 0 <= dropout < 1; got "
+            f"rank={lora.rank}, alpha={lora.alpha}, dropout={lora.dropout}"
+        )
     if cfg.lr_scheduler != "constant" and (total_steps is None or total_steps <= cfg.warmup_steps):
         raise ConfigError(
             f"actor.lr_scheduler={cfg.lr_scheduler!r} needs total_steps (optimizer steps of the "

@@ -3,7 +3,8 @@ DTensors back as plain tensors."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -12,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from arl.config import ActorConfig
 from arl.train.logp import ChunkedLogpHead, register_varlen, transforms_logits
+from arl.train.lora import compute_adapters_in, inject_adapters
 from arl.train.master import MasterWeights
 
 
@@ -41,6 +43,7 @@ def load_sharded(
     gradient_checkpointing: bool,
     varlen: bool = False,
     compile_layers: bool = False,
+    lora: Mapping[str, Any] | None = None,
 ) -> LoadedModel:
     """Load a HF causal LM for ``mesh``: on more than one rank sharded with FSDP2 (each decoder
     layer and the root); on one rank whole, on the mesh's device.
@@ -50,18 +53,26 @@ def load_sharded(
     reference is loaded directly in ``compute_dtype``. ``varlen`` runs attention through the
     varlen attention of `register_varlen` (packed rows without masks); the output layer gets a
     `ChunkedLogpHead`; ``compile_layers`` compiles each decoder layer.
+
+    With ``lora`` (``actor.lora`` as a dict, rank > 0) a trainable model is its frozen base in
+    ``compute_dtype`` plus fp32 adapters (`arl.train.lora`), injected before FSDP wraps the
+    layers; one rank keeps no master copy (``forward`` is ``model``) and runs the adapters in
+    ``compute_dtype`` itself.
     """
     from transformers import AutoModelForCausalLM
 
     from arl.engines.model import resolve_model
 
     local = resolve_model(path)
+    masters = trainable and lora is None  # fp32 weights that the optimizer steps
     model = AutoModelForCausalLM.from_pretrained(
         local,
-        dtype=torch.float32 if trainable else compute_dtype,
+        dtype=torch.float32 if masters else compute_dtype,
         attn_implementation=register_varlen() if varlen else "sdpa",
     )
     model.config.use_cache = False
+    if trainable and lora is not None:
+        inject_adapters(model, lora)
     if not trainable:
         model.requires_grad_(False)
         model.eval()
@@ -70,8 +81,10 @@ def load_sharded(
     if one_rank:
         device = mesh.device_type
         model.to(torch.device(device, torch.cuda.current_device()) if device == "cuda" else device)
-        if trainable and compute_dtype != torch.float32:
+        if masters and compute_dtype != torch.float32:
             master = MasterWeights(model, compute_dtype)
+        if trainable and lora is not None and compute_dtype != torch.float32:
+            compute_adapters_in(model, compute_dtype)
     forward = master.forward if master is not None else model
     head = forward.get_output_embeddings()
     if isinstance(head, torch.nn.Linear) and not transforms_logits(forward.config):

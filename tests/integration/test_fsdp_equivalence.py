@@ -130,8 +130,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(base: dict, world_size: int, out: Path, timeout: float = 300.0) -> list[dict]:
-    """Start ``world_size`` rank processes on ``base``; wait; return each rank's JSON result."""
+def run_ranks(
+    base: dict, world_size: int, out: Path, timeout: float = 300.0, script: str = __file__
+) -> list[dict]:
+    """Start ``world_size`` rank processes of ``script`` (a file whose ``__main__`` runs one
+    rank on a spec file, this one's by default) on ``base``; wait; return each rank's JSON
+    result (``rank{r}.json`` under ``out``)."""
     out.mkdir(parents=True, exist_ok=True)
     init = f"tcp://127.0.0.1:{_free_port()}"
     env = {
@@ -150,7 +154,7 @@ def run_ranks(base: dict, world_size: int, out: Path, timeout: float = 300.0) ->
             procs.append(
                 (
                     subprocess.Popen(
-                        [sys.executable, __file__, str(path)],
+                        [sys.executable, script, str(path)],
                         env=env,
                         stdout=log,
                         stderr=subprocess.STDOUT,
@@ -345,14 +349,17 @@ def test_update_without_proximal_log_probs_names_the_pass_it_needs(tmp_path):
         ({"rejection": "token_mask", "use_decoupled_loss": False}, "use_decoupled_loss"),
         ({"rejection": "seq_mask", "behav_imp_weight_cap": None}, "behav_imp_weight_cap"),
         ({"lr_scheduler": "cosine"}, "total_steps"),
+        ({"lora": {"rank": -1}}, "actor.lora needs rank >= 0"),
+        ({"lora": {"rank": 8, "dropout": 1.0}}, "dropout < 1"),
     ],
 )
 def test_bad_settings_fail_before_any_process_group(overrides, match):
-    from arl.config import ActorConfig, ConfigError
+    from arl.config import ActorConfig, ConfigError, converter
     from arl.train.fsdp import FSDPEngine
 
+    cfg = converter.structure(overrides, ActorConfig)
     with pytest.raises(ConfigError, match=match):
-        FSDPEngine(ActorConfig(**overrides), rank=0, world_size=1, init_method="tcp://unused:1")
+        FSDPEngine(cfg, rank=0, world_size=1, init_method="tcp://unused:1")
     assert not torch.distributed.is_initialized()
 
 
