@@ -44,6 +44,7 @@ from arl.algo.packing import (
 from arl.algo.rewards import normalize_rewards, transform_rewards
 from arl.algo.schedule import lr_at
 from arl.config import ActorConfig, ConfigError
+from arl.train.activations import activation_bytes_per_token
 from arl.train.graphs import MicroBatchGraphs
 from arl.train.logp import (
     Layout,
@@ -129,7 +130,9 @@ class FSDPEngine:
             varlen=varlen,
             compile_layers=cfg.compile and self.device.type == "cuda",
         )
-        self._bytes_per_token = _activation_bytes_per_token(self.model.config, cfg)
+        self._bytes_per_token = activation_bytes_per_token(
+            self.model.config, cfg.gradient_checkpointing
+        )
         self.model.train()
         self.forward_model.train()
         self.optimizer = torch.optim.AdamW(
@@ -690,7 +693,7 @@ class FSDPEngine:
 
         On CUDA half of the free device memory (the colocated inference engine may still
         grow its KV cache) over the activation bytes a token keeps for backward
-        (`_activation_bytes_per_token`); a forward without backward keeps none, so log-prob
+        (`activation_bytes_per_token`); a forward without backward keeps none, so log-prob
         passes take 4x that. At least the longest row, at most 64k tokens. On CPU 8192.
         """
         if self.cfg.max_tokens_per_mb:
@@ -728,22 +731,6 @@ class FSDPEngine:
         dev = t.to(self.device)
         dist.all_reduce(dev, op=op)
         return dev.cpu()
-
-
-def _activation_bytes_per_token(config: object, cfg: ActorConfig) -> float:
-    """Bytes of activations one trained token keeps for backward, from the model's shape.
-
-    Per decoder layer in 16-bit: ~34 x hidden (norm inputs and outputs, q/k/v, attention
-    output, residuals, fp32 norm statistics) and ~10 x intermediate (gate, up, activation,
-    product); gradient checkpointing keeps only each layer's input. An estimate (on an H200:
-    SmolLM2-135M peaked at ~1.0 MB a token against 1.06 estimated, Qwen2.5-1.5B's shape at
-    ~3.0 MB against 3.96); taking half the free memory is the margin.
-    """
-    hidden = int(getattr(config, "hidden_size", 1024))
-    inter = int(getattr(config, "intermediate_size", 4 * hidden))
-    layers = int(getattr(config, "num_hidden_layers", 1))
-    per_layer = 2 * hidden if cfg.gradient_checkpointing else 34 * hidden + 10 * inter
-    return float(layers * per_layer + 8 * hidden)
 
 
 def _require(batch: Mapping[str, torch.Tensor], keys: tuple[str, ...], why: str = "") -> None:
