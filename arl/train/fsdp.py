@@ -53,6 +53,7 @@ from arl.train.logp import (
     resolve_layout,
     varlen_available,
 )
+from arl.train.offload import HostMasterWeights
 from arl.train.packed import PackedMicroBatch, bucket_for, pack_micro_batch
 from arl.train.sharding import (
     compile_failed,
@@ -109,6 +110,10 @@ class FSDPEngine:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        offload = cfg.offload == "optimizer"
+        if offload and backend == "nccl":
+            # FSDP's offloaded shards and their gradient norm live on the host: gloo for those.
+            backend = "cpu:gloo,cuda:nccl"
         # Rank 0's store listens on the rendezvous host only (torch's own would take every one).
         host, port = split_tcp_url(init_method)
         store = tcp_store(host, port, world_size, rank == 0, default_pg_timeout)
@@ -129,6 +134,7 @@ class FSDPEngine:
             gradient_checkpointing=cfg.gradient_checkpointing,
             varlen=varlen,
             compile_layers=cfg.compile and self.device.type == "cuda",
+            offload=offload,
         )
         self._bytes_per_token = activation_bytes_per_token(
             self.model.config, cfg.gradient_checkpointing
@@ -143,7 +149,10 @@ class FSDPEngine:
             weight_decay=cfg.weight_decay,
             # One multi-tensor kernel for all parameters on CUDA, its step counts on the device:
             # no per-parameter host work (the default foreach path reads each step on the host).
-            fused=self.device.type == "cuda",
+            # Offloaded on one rank, the fused CPU kernel (`arl.train.offload`); with FSDP's
+            # offloaded shards (DTensors on the host) the default.
+            fused=isinstance(self._master, HostMasterWeights)
+            or (self.device.type == "cuda" and not offload),
         )
         self.ref: torch.nn.Module | None = None
         if cfg.kl_ctl > 0:
@@ -175,10 +184,12 @@ class FSDPEngine:
         passes are device-bound anyway). A graph's memory stays held, so its micro-batches are
         capped at 16k tokens or the activations that a quarter of the free device memory holds,
         whichever is fewer; larger ones are bound by the device, not the host, and run eagerly.
-        With graphs, gradients stay allocated (zeroed, never freed): the graphs add into them."""
+        With graphs, gradients stay allocated (zeroed, never freed): the graphs add into them,
+        which optimizer offload does not want (its gradients leave the device after a step)."""
         cfg = self.cfg
         if not (
             cfg.cuda_graphs
+            and cfg.offload == "none"
             and self.device.type == "cuda"
             and self.world_size == 1
             and self.layout == "packed"
@@ -571,6 +582,8 @@ class FSDPEngine:
 
     def _clip_gradients(self) -> float:
         """Global L2 norm of the gradients (all ranks), clipped to cfg.grad_clip when finite."""
+        if isinstance(self._master, HostMasterWeights):  # taken on the device, then to the host
+            return self._master.clip_to_host(self.cfg.grad_clip)
         params = [p for p in self.model.parameters() if p.grad is not None]
         total = full_tensor(torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0))
         norm = float(total)
@@ -607,7 +620,7 @@ class FSDPEngine:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors by HF name, yielded on rank 0 (on this engine's device); collective:
         every rank must iterate it to the end, since each tensor is all-gathered."""
-        sources = self.weight_sources()
+        sources = self.weight_sources(dtype)
         if sources is not None:  # one rank: the shards are the full tensors, nothing to gather
             for name, t in sources:
                 yield name, t if dtype is None else t.to(dtype)
@@ -617,21 +630,28 @@ class FSDPEngine:
             if self.rank == 0:
                 yield name, full if dtype is None else full.to(dtype)
 
-    def weight_sources(self) -> list[tuple[str, torch.Tensor]] | None:
+    def weight_sources(
+        self, dtype: torch.dtype | None = None
+    ) -> list[tuple[str, torch.Tensor]] | None:
         """The full weights by HF name as views of this rank's shards (no gather, no copy) when
-        it is the only rank; None with more ranks (`state_dict_for_sync` gathers them).
+        it is the only rank; None with more ranks (`state_dict_for_sync` gathers them). With
+        optimizer offload and ``dtype`` the compute dtype, the forward copy's tensors on the
+        device: the host masters rounded to that dtype, the same bytes a cast would give.
 
         The list is kept while every parameter and buffer is the same tensor in the same memory
         (checked on each call, ~1 us per tensor), since a state dict costs ~10 ms to build.
         """
         if self.world_size != 1:
             return None
-        tensors = [*self.model.parameters(), *self.model.buffers()]
+        module = self.model
+        if isinstance(self._master, HostMasterWeights) and dtype == self.compute_dtype:
+            module = self.forward_model
+        tensors = [*module.parameters(), *module.buffers()]
         key = [(id(t), local_tensor(t).data_ptr()) for t in tensors]
         if self._sources is not None and key == self._sources_key:
             return self._sources
         out = []
-        for name, t in self.model.state_dict().items():
+        for name, t in module.state_dict().items():
             local = local_tensor(t)
             if tuple(local.shape) != tuple(t.shape):
                 return None
