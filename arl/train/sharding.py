@@ -103,8 +103,8 @@ def load_sharded(
     if compute_dtype != torch.float32 and trainable:
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     kwargs = {"mesh": mesh} | ({"mp_policy": mp} if mp is not None else {})
-    if offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+    if offload:  # pinned where there is a device to copy to
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     for layer in layers:
         if not one_rank:
             fully_shard(layer, **kwargs)

@@ -54,13 +54,14 @@ def test_offloaded_step_leaves_only_the_bf16_copy_on_the_gpu(tmp_path: Path):
         state = [t for s in eng.optimizer.state.values() for t in s.values() if t.dim()]
         assert state and all(t.device.type == "cpu" for t in state)
 
-        # After the step: the bf16 copy (2 bytes a parameter) and small buffers; fp32 masters
-        # (4), their gradients (4) or AdamW's moments (8) on the GPU would each exceed this.
+        # After the step: the bf16 copy (2 bytes a parameter) and cuBLAS's workspaces (~64 MiB
+        # on an H200: 321 MiB held for SmolLM2's 135 M parameters); fp32 masters (4 bytes a
+        # parameter), their gradients (4) or AdamW's moments (8) would each exceed this.
         held = torch.cuda.memory_allocated() - base
         print(
             f"\noffload: {n / 1e6:.0f} M parameters, {held / 2**20:.0f} MiB on the GPU after a step"
         )
-        assert held < 2 * n + 3 * n // 4, held
+        assert held < 3 * n, held
 
         synced = list(eng.state_dict_for_sync(torch.bfloat16))
         fwd = dict(eng.forward_model.named_parameters())
