@@ -451,13 +451,16 @@ def check_memory(cfg: Config, plan: Sequence[NodeSpec]) -> MemoryPlan:
         f"phase ({what}, ...) and has {g.capacity / GB:.1f} GB ({g.note})"
     )
     for option in CANDIDATES:
-        changed = apply_overrides(cfg, [o for o in option if not _already(cfg, o)])
+        if any(o.startswith("actor.lora.rank=") for o in option) and cfg.actor.offload != "none":
+            option = (*option, "actor.offload=none")  # LoRA with offload is refused
+        todo = [o for o in option if not _already(cfg, o)]
+        changed = apply_overrides(cfg, todo)
         if changed == cfg:
             continue
         after = plan_memory(changed, plan, shape, source)
         if after.fits:
             raise ConfigError(
-                f"{problem}; set {' '.join(option)} (then the peak is "
+                f"{problem}; set {' '.join(todo)} (then the peak is "
                 f"{after.worst().peak / GB:.1f} GB; --dry-run with it prints the plan)"
             )
     raise ConfigError(

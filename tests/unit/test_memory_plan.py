@@ -162,6 +162,10 @@ def test_a_plan_that_cannot_fit_names_the_least_change_that_fits(tmp_path):
         plan_placement(
             _cfg(path, "cluster.gpu_memory_gb=80", "rollout.max_concurrent_rollouts=32"), 1
         )
+    # Only what changes is named; LoRA (refused beside offload) turns offload off.
+    offloaded = ("cluster.gpu_memory_gb=80", "rollout.max_concurrent_rollouts=32")
+    with pytest.raises(ConfigError, match=r"set actor\.lora\.rank=16 actor\.offload=none \("):
+        plan_placement(_cfg(path, *offloaded, "actor.offload=optimizer"), 1)
     # gsm8k's 768 rows of KV cache (90 GB) do not fit 80 GB whatever the trainer does.
     with pytest.raises(ConfigError, match="lower rollout.max_concurrent_rollouts"):
         plan_placement(_cfg(path, "cluster.gpu_memory_gb=80"), 1)
