@@ -22,10 +22,10 @@ reserve          2 GB per process: CUDA context with torch's kernels (~0.5-1 GB)
 
 ``actor.offload=optimizer`` moves the fp32 masters, the optimizer state and the gradients'
 fp32 sums to host memory (`arl.train.offload`): one rank keeps its 16-bit forward copy and,
-during the train phase only, its gradients on the GPU; the host holds 4P + 4P + 8P and a cP
-staging copy. ``rollout.gpu_sharing=sleep`` frees an engine's KV cache (and for a full
-fine-tune its weights) while the ranks train, so a shared GPU's peak is the larger of the
-rollout and train phases instead of their sum. A GPU fits when its peak is within
+during the train phase only, its gradients on the GPU; the host holds 4P + 4P + 8P (and two
+0.27 GB staging buckets, not counted). ``rollout.gpu_sharing=sleep`` frees an engine's KV
+cache (and for a full fine-tune its weights) while the ranks train, so a shared GPU's peak is
+the larger of the rollout and train phases instead of their sum. A GPU fits when its peak is within
 ``cluster.gpu_memory_gb`` (none: the device's total as torch reports it, or 80 GB assumed
 where no GPU is visible). A plan that does not fit is refused (`check_memory`) with the first
 change, in order of least change, under which it would.
@@ -387,8 +387,8 @@ def _trainer_parts(
     if one_rank and adapters:
         parts.append(Part(name="trainer weights", gpu=c * p + 4 * adapters))
     elif one_rank and offload:
-        # fp32 masters and the 16-bit staging copy on the host; the forward copy on the GPU.
-        parts.append(Part(name="trainer weights", gpu=c * p, host=4 * p + c * p))
+        # fp32 masters on the host; the forward copy on the GPU.
+        parts.append(Part(name="trainer weights", gpu=c * p, host=4 * p))
     elif one_rank:
         parts.append(Part(name="trainer weights", gpu=4 * p + (c * p if c < 4 else 0)))
     elif adapters:

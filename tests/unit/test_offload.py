@@ -64,6 +64,19 @@ def test_host_masters_accumulate_clip_and_publish_as_master_weights_do():
     assert torch.equal(off.forward.mid.weight, off.master.mid.weight.to(torch.bfloat16))
 
 
+def test_publish_stages_through_two_small_buckets_a_chunk_at_a_time():
+    torch.manual_seed(2)
+    # 7-element buckets: every tensor (888 elements the largest) crosses them in chunks.
+    off = HostMasterWeights(_Tied(), torch.bfloat16, torch.device("cpu"), bucket_elements=7)
+    assert [len(b) for b in off._buckets] == [7, 7]
+    with torch.no_grad():
+        for m, _ in off.pairs:
+            m.copy_(torch.randn_like(m))
+    off.publish()
+    for m, f in off.pairs:
+        assert torch.equal(f, m.to(torch.bfloat16))
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("m")
@@ -155,4 +168,4 @@ def test_offloaded_masters_and_gradients_are_pinned_host_memory():
     master = _Tied()
     off = HostMasterWeights(master, torch.bfloat16, torch.device("cuda"))
     assert all(m.is_pinned() and f.is_cuda for m, f in off.pairs)
-    assert off._host_grads.is_pinned() and off._staging.is_pinned()
+    assert off._host_grads.is_pinned() and all(b.is_pinned() for b in off._buckets)
