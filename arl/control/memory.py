@@ -245,7 +245,7 @@ class MemoryPlan:
             )
         host = sum(p.host for g in self.gpus for p in g.parts)
         if host:
-            lines.append(f"host memory (pinned, all GPUs' processes): {host / GB:.1f} GB")
+            lines.append(f"host memory (all GPUs' trainers): {host / GB:.1f} GB")
         lines.append("verdict: " + ("fits" if self.fits else "does not fit"))
         return "\n".join(lines) + "\n"
 

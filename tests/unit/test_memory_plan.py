@@ -124,7 +124,7 @@ def test_offload_moves_masters_gradient_sums_and_optimizer_to_the_host(tmp_path)
     assert (parts["optimizer"].gpu, parts["optimizer"].host) == (0, 8 * p)
     assert parts["gradients"].host == 4 * p and parts["gradients"].phases == {"train"}
     assert (
-        "host memory (pinned, all GPUs' processes): 121.8 GB"
+        "host memory (all GPUs' trainers): 121.8 GB"
         in plan_memory(cfg, plan_placement(cfg, 1)).format()
     )
 
