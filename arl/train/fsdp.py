@@ -618,8 +618,9 @@ class FSDPEngine:
     def state_dict_for_sync(
         self, dtype: torch.dtype | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors by HF name, yielded on rank 0 (on this engine's device); collective:
-        every rank must iterate it to the end, since each tensor is all-gathered."""
+        """Full tensors by HF name, yielded on rank 0 (on this engine's device; offloaded and
+        not in the compute dtype, the host masters); collective: every rank must iterate it to
+        the end, since each tensor is all-gathered."""
         sources = self.weight_sources(dtype)
         if sources is not None:  # one rank: the shards are the full tensors, nothing to gather
             for name, t in sources:
