@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from arl.config import Config, ConfigError, apply_overrides, help_text, save_resolved, to_yaml
+from arl.control.memory import format_memory_plan
 from arl.control.placement import NodeSpec, detect_gpus, format_plan, plan_placement
 from arl.data.gsm8k import DatasetError
 from arl.engines.spec import describe, engine_spec
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         print("# rollout engines (the model path is resolved when the run starts)")
         for node, spec in zip((n for n in plan if n.role == "rollout"), engines, strict=True):
             print(f"node {node.node_id}: {describe(spec)}")
+        print(format_memory_plan(cfg, plan), end="")
         return 0
     logging.basicConfig(
         level=cfg.experiment.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -80,6 +80,12 @@ class ClusterConfig:
         300.0, "ray launcher: seconds to wait for Ray to reserve the nodes' CPUs and GPUs"
     )
     n_gpus: int | None = _f(None, "GPUs to place nodes on (none: torch.cuda.device_count())")
+    gpu_memory_gb: float | None = _f(
+        None,
+        "memory of one GPU in GB (1e9 bytes) that the memory plan fits the parts into (none: "
+        "the device's total as torch reports it; 80 when no GPU is visible, as when a CPU "
+        "machine previews a GPU plan)",
+    )
     cpu_threads_per_node: int | None = _f(
         None, "torch threads per node process (none: torch's default)"
     )

@@ -193,6 +193,7 @@ def validation_problems(cfg: Config) -> list[str]:
         "needs at least one prefix, each a dotted module name such as arl or myorg.rl",
     )
     positive("cluster.cpu_threads_per_node", optional=True)
+    positive("cluster.gpu_memory_gb", optional=True)
     positive("cluster.ray_rollout_cpus", "cluster.ray_train_cpus", "cluster.ray_placement_timeout")
     check(
         "cluster.n_gpus",
@@ -263,6 +264,12 @@ def validation_problems(cfg: Config) -> list[str]:
     check("actor.kl_ctl", a.kl_ctl >= 0, "must be >= 0")
     within("actor.discount", 0.0, 1.0)
     within("actor.gae_lambda", 0.0, 1.0)
+    check(
+        "actor.offload",
+        a.offload == "none" or a.lora.rank == 0,
+        "optimizer offload is for a full fine-tune: with actor.lora.rank > 0 only the adapters "
+        "carry optimizer state (a few MB); set actor.offload=none",
+    )
     n_seqs = cfg.data.batch_size * g.n_samples
     check(
         "actor.ppo_n_minibatches",

@@ -12,6 +12,7 @@ from typing import Literal
 import attrs
 
 from arl.config import Backend, Config, ConfigError, parse_backend
+from arl.control.memory import check_memory
 from arl.weights import check_plan as check_weight_sync
 
 
@@ -73,10 +74,13 @@ def place(cfg: Config) -> list[NodeSpec]:
 
 
 def plan_placement(cfg: Config, n_gpus: int) -> list[NodeSpec]:
-    """Place the rollout replicas and train ranks of ``cfg`` on ``n_gpus`` GPUs (0: CPU only)."""
+    """Place the rollout replicas and train ranks of ``cfg`` on ``n_gpus`` GPUs (0: CPU only);
+    refuse a plan that its weight-sync mode cannot run, or whose memory plan does not fit
+    (`arl.control.memory`)."""
     plan = _place(cfg, n_gpus)
     check_weight_sync(cfg.weight_sync.mode, plan)  # the mode refuses a plan it cannot run on
     check_node_count(cfg, plan)
+    check_memory(cfg, plan)  # a GPU that cannot hold its parts, with the option that fits
     return plan
 
 

@@ -220,8 +220,9 @@ class TrainWorker:
         ]
 
     def weight_sources(self) -> list[tuple[str, torch.Tensor]] | None:
-        """The weights as trained, unsharded, without a gather (one rank only), else None."""
-        return self.engine.weight_sources()
+        """The weights as trained (or, offloaded, their copy in the sync dtype), unsharded,
+        without a gather (one rank only), else None."""
+        return self.engine.weight_sources(self.sync_dtype)
 
     def tied_weights(self) -> dict[str, str]:
         """Tied weight names -> the first name of the same tensor (e.g. lm_head -> embed)."""

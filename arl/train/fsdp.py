@@ -45,6 +45,7 @@ from arl.algo.rewards import normalize_rewards, transform_rewards
 from arl.algo.schedule import lr_at
 from arl.config import ActorConfig, ConfigError
 from arl.engines.lora import is_lora_name, save_adapter
+from arl.train.activations import activation_bytes_per_token
 from arl.train.graphs import MicroBatchGraphs
 from arl.train.logp import (
     Layout,
@@ -54,6 +55,7 @@ from arl.train.logp import (
     varlen_available,
 )
 from arl.train.lora import adapters_disabled, lora_settings, merged_state
+from arl.train.offload import HostMasterWeights
 from arl.train.packed import PackedMicroBatch, bucket_for, pack_micro_batch
 from arl.train.sharding import (
     compile_failed,
@@ -110,6 +112,10 @@ class FSDPEngine:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        offload = cfg.offload == "optimizer"
+        if offload and backend == "nccl":
+            # FSDP's offloaded shards and their gradient norm live on the host: gloo for those.
+            backend = "cpu:gloo,cuda:nccl"
         # Rank 0's store listens on the rendezvous host only (torch's own would take every one).
         host, port = split_tcp_url(init_method)
         store = tcp_store(host, port, world_size, rank == 0, default_pg_timeout)
@@ -133,11 +139,14 @@ class FSDPEngine:
             varlen=varlen,
             compile_layers=cfg.compile and self.device.type == "cuda",
             lora=self.lora,
+            offload=offload,
         )
         # What the optimizer steps, the gradients clip and CUDA graphs hold: every parameter,
         # or with LoRA the adapters alone.
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self._bytes_per_token = _activation_bytes_per_token(self.model.config, cfg)
+        self._bytes_per_token = activation_bytes_per_token(
+            self.model.config, cfg.gradient_checkpointing
+        )
         self.model.train()
         self.forward_model.train()
         self.optimizer = torch.optim.AdamW(
@@ -148,7 +157,10 @@ class FSDPEngine:
             weight_decay=cfg.weight_decay,
             # One multi-tensor kernel for all parameters on CUDA, its step counts on the device:
             # no per-parameter host work (the default foreach path reads each step on the host).
-            fused=self.device.type == "cuda",
+            # Offloaded on one rank, the fused CPU kernel (`arl.train.offload`); with FSDP's
+            # offloaded shards (DTensors on the host) the default.
+            fused=isinstance(self._master, HostMasterWeights)
+            or (self.device.type == "cuda" and not offload),
         )
         self.ref: torch.nn.Module | None = None
         # With LoRA the starting policy is the base: the reference is the policy's own model
@@ -185,10 +197,12 @@ class FSDPEngine:
         passes are device-bound anyway). A graph's memory stays held, so its micro-batches are
         capped at 16k tokens or the activations that a quarter of the free device memory holds,
         whichever is fewer; larger ones are bound by the device, not the host, and run eagerly.
-        With graphs, gradients stay allocated (zeroed, never freed): the graphs add into them."""
+        With graphs, gradients stay allocated (zeroed, never freed): the graphs add into them,
+        which optimizer offload does not want (its gradients leave the device after a step)."""
         cfg = self.cfg
         if not (
             cfg.cuda_graphs
+            and cfg.offload == "none"
             and self.device.type == "cuda"
             and self.world_size == 1
             and self.layout == "packed"
@@ -585,6 +599,8 @@ class FSDPEngine:
 
     def _clip_gradients(self) -> float:
         """Global L2 norm of the gradients (all ranks), clipped to cfg.grad_clip when finite."""
+        if isinstance(self._master, HostMasterWeights):  # taken on the device, then to the host
+            return self._master.clip_to_host(self.cfg.grad_clip)
         params = [p for p in self.trainable if p.grad is not None]
         total = full_tensor(torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0))
         norm = float(total)
@@ -616,11 +632,11 @@ class FSDPEngine:
 
     # ------------------------------------------------------------------ weights and state
 
-    def synced_state(self) -> list[tuple[str, torch.Tensor]]:
-        """The state-dict entries a weight sync moves (full shapes; DTensors under FSDP), in
-        state-dict order: all of them, or with LoRA the adapter's alone (the engines hold the
-        same frozen base)."""
-        items = self.model.state_dict().items()
+    def synced_state(self, module: torch.nn.Module | None = None) -> list[tuple[str, torch.Tensor]]:
+        """The state-dict entries of ``module`` (default: the trained ``model``) a weight sync
+        moves (full shapes; DTensors under FSDP), in state-dict order: all of them, or with
+        LoRA the adapter's alone (the engines hold the same frozen base)."""
+        items = (self.model if module is None else module).state_dict().items()
         if self.lora is None:
             return list(items)
         return [(name, t) for name, t in items if is_lora_name(name)]
@@ -628,9 +644,10 @@ class FSDPEngine:
     def state_dict_for_sync(
         self, dtype: torch.dtype | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The tensors of `synced_state` whole, yielded on rank 0 (on this engine's device);
-        collective: every rank must iterate it to the end, since each tensor is all-gathered."""
-        sources = self.weight_sources()
+        """The tensors of `synced_state` whole, yielded on rank 0 (on this engine's device;
+        offloaded and not in the compute dtype, the host masters); collective: every rank must
+        iterate it to the end, since each tensor is all-gathered."""
+        sources = self.weight_sources(dtype)
         if sources is not None:  # one rank: the shards are the full tensors, nothing to gather
             for name, t in sources:
                 yield name, t if dtype is None else t.to(dtype)
@@ -646,25 +663,30 @@ class FSDPEngine:
             if self.rank == 0:
                 yield name, full if dtype is None else full.to(dtype)
 
-    def weight_sources(self) -> list[tuple[str, torch.Tensor]] | None:
+    def weight_sources(
+        self, dtype: torch.dtype | None = None
+    ) -> list[tuple[str, torch.Tensor]] | None:
         """The tensors of `synced_state` as views of this rank's shards (no gather, no copy)
         when it is the only rank; None with more ranks (`state_dict_for_sync` gathers them).
+        With optimizer offload and ``dtype`` the compute dtype, the forward copy's tensors on
+        the device: the host masters rounded to that dtype, the same bytes a cast would give.
 
         The list is kept while every synced tensor is the same tensor in the same memory
         (checked on each call, ~1 us per tensor), since a state dict costs ~10 ms to build.
         """
         if self.world_size != 1:
             return None
+        module = self.model
+        if isinstance(self._master, HostMasterWeights) and dtype == self.compute_dtype:
+            module = self.forward_model
         tensors = (
-            self.trainable
-            if self.lora is not None
-            else [*self.model.parameters(), *self.model.buffers()]
+            self.trainable if self.lora is not None else [*module.parameters(), *module.buffers()]
         )
         key = [(id(t), local_tensor(t).data_ptr()) for t in tensors]
         if self._sources is not None and key == self._sources_key:
             return self._sources
         out = []
-        for name, t in self.synced_state():
+        for name, t in self.synced_state(module):
             local = local_tensor(t)
             if tuple(local.shape) != tuple(t.shape):
                 return None
@@ -752,7 +774,7 @@ class FSDPEngine:
 
         On CUDA half of the free device memory (the colocated inference engine may still
         grow its KV cache) over the activation bytes a token keeps for backward
-        (`_activation_bytes_per_token`); a forward without backward keeps none, so log-prob
+        (`activation_bytes_per_token`); a forward without backward keeps none, so log-prob
         passes take 4x that. At least the longest row, at most 64k tokens. On CPU 8192.
         """
         if self.cfg.max_tokens_per_mb:
@@ -790,22 +812,6 @@ class FSDPEngine:
         dev = t.to(self.device)
         dist.all_reduce(dev, op=op)
         return dev.cpu()
-
-
-def _activation_bytes_per_token(config: object, cfg: ActorConfig) -> float:
-    """Bytes of activations one trained token keeps for backward, from the model's shape.
-
-    Per decoder layer in 16-bit: ~34 x hidden (norm inputs and outputs, q/k/v, attention
-    output, residuals, fp32 norm statistics) and ~10 x intermediate (gate, up, activation,
-    product); gradient checkpointing keeps only each layer's input. An estimate (on an H200:
-    SmolLM2-135M peaked at ~1.0 MB a token against 1.06 estimated, Qwen2.5-1.5B's shape at
-    ~3.0 MB against 3.96); taking half the free memory is the margin.
-    """
-    hidden = int(getattr(config, "hidden_size", 1024))
-    inter = int(getattr(config, "intermediate_size", 4 * hidden))
-    layers = int(getattr(config, "num_hidden_layers", 1))
-    per_layer = 2 * hidden if cfg.gradient_checkpointing else 34 * hidden + 10 * inter
-    return float(layers * per_layer + 8 * hidden)
 
 
 def _require(batch: Mapping[str, torch.Tensor], keys: tuple[str, ...], why: str = "") -> None:

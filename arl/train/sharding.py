@@ -8,13 +8,14 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from arl.config import ActorConfig
 from arl.train.logp import ChunkedLogpHead, register_varlen, transforms_logits
 from arl.train.lora import compute_adapters_in, inject_adapters
 from arl.train.master import MasterWeights
+from arl.train.offload import HostMasterWeights
 
 
 def compute_dtype(cfg: ActorConfig, device: torch.device) -> torch.dtype:
@@ -27,11 +28,11 @@ def compute_dtype(cfg: ActorConfig, device: torch.device) -> torch.dtype:
 class LoadedModel(NamedTuple):
     """A loaded model: ``model`` holds the weights the optimizer steps and checkpoints save;
     passes run on ``forward``, which is ``model`` itself, or with one rank in mixed precision
-    its compute-dtype copy kept by ``master``."""
+    its compute-dtype copy kept by ``master`` (on the host with optimizer offload)."""
 
     model: torch.nn.Module
     forward: torch.nn.Module
-    master: MasterWeights | None
+    master: MasterWeights | HostMasterWeights | None
 
 
 def load_sharded(
@@ -44,6 +45,7 @@ def load_sharded(
     varlen: bool = False,
     compile_layers: bool = False,
     lora: Mapping[str, Any] | None = None,
+    offload: bool = False,
 ) -> LoadedModel:
     """Load a HF causal LM for ``mesh``: on more than one rank sharded with FSDP2 (each decoder
     layer and the root); on one rank whole, on the mesh's device.
@@ -52,7 +54,9 @@ def load_sharded(
     gradient reduction (FSDP2's mixed precision; on one rank `MasterWeights`); the frozen
     reference is loaded directly in ``compute_dtype``. ``varlen`` runs attention through the
     varlen attention of `register_varlen` (packed rows without masks); the output layer gets a
-    `ChunkedLogpHead`; ``compile_layers`` compiles each decoder layer.
+    `ChunkedLogpHead`; ``compile_layers`` compiles each decoder layer. ``offload`` (trainable
+    only) keeps the fp32 weights and optimizer state in host memory: on one rank as
+    `HostMasterWeights`, with FSDP2 through its ``CPUOffloadPolicy``.
 
     With ``lora`` (``actor.lora`` as a dict, rank > 0) a trainable model is its frozen base in
     ``compute_dtype`` plus fp32 adapters (`arl.train.lora`), injected before FSDP wraps the
@@ -78,10 +82,16 @@ def load_sharded(
         model.eval()
     one_rank = mesh.size() == 1
     master = None
+    offload = offload and trainable
     if one_rank:
         device = mesh.device_type
-        model.to(torch.device(device, torch.cuda.current_device()) if device == "cuda" else device)
-        if masters and compute_dtype != torch.float32:
+        device = torch.device(device, torch.cuda.current_device()) if device == "cuda" else device
+        # Offloaded, the fp32 model stays on the host; only its copy goes to the device.
+        if offload and masters:
+            master = HostMasterWeights(model, compute_dtype, torch.device(device))
+        else:
+            model.to(device)
+        if masters and compute_dtype != torch.float32 and not offload:
             master = MasterWeights(model, compute_dtype)
         if trainable and lora is not None and compute_dtype != torch.float32:
             compute_adapters_in(model, compute_dtype)
@@ -107,6 +117,8 @@ def load_sharded(
     if compute_dtype != torch.float32 and trainable:
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     kwargs = {"mesh": mesh} | ({"mp_policy": mp} if mp is not None else {})
+    if offload:  # pinned where there is a device to copy to
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     for layer in layers:
         if not one_rank:
             fully_shard(layer, **kwargs)
