@@ -149,8 +149,10 @@ class FSDPEngine:
         )
         self.model.train()
         self.forward_model.train()
+        offloaded = isinstance(self._master, HostMasterWeights)
         self.optimizer = torch.optim.AdamW(
-            self.trainable,
+            # Offloaded, one group per chunk that `HostMasterWeights.step` streams.
+            self._master.param_groups() if offloaded else self.trainable,
             lr=cfg.lr,
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             eps=cfg.adam_eps,
@@ -159,8 +161,7 @@ class FSDPEngine:
             # no per-parameter host work (the default foreach path reads each step on the host).
             # Offloaded on one rank, the fused CPU kernel (`arl.train.offload`); with FSDP's
             # offloaded shards (DTensors on the host) the default.
-            fused=isinstance(self._master, HostMasterWeights)
-            or (self.device.type == "cuda" and not offload),
+            fused=offloaded or (self.device.type == "cuda" and not offload),
         )
         self.ref: torch.nn.Module | None = None
         # With LoRA the starting policy is the base: the reference is the policy's own model
@@ -450,6 +451,9 @@ class FSDPEngine:
             log.warning(
                 "rank %d: gradient norm %s is not finite; skipping the step", self.rank, grad_norm
             )
+        elif isinstance(self._master, HostMasterWeights):
+            self._master.step(self.optimizer)  # streamed; publishes each chunk it steps
+            self._step += 1
         else:
             self.optimizer.step()
             self._step += 1
@@ -599,8 +603,8 @@ class FSDPEngine:
 
     def _clip_gradients(self) -> float:
         """Global L2 norm of the gradients (all ranks), clipped to cfg.grad_clip when finite."""
-        if isinstance(self._master, HostMasterWeights):  # taken on the device, then to the host
-            return self._master.clip_to_host(self.cfg.grad_clip)
+        if isinstance(self._master, HostMasterWeights):  # taken and clipped on the device
+            return self._master.clip(self.cfg.grad_clip)
         params = [p for p in self.trainable if p.grad is not None]
         total = full_tensor(torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0))
         norm = float(total)

@@ -8,16 +8,17 @@ that also hosts the inference engine has. Here, per optimizer step:
 
 1. backward adds the copy's gradients into one flat fp32 buffer on the GPU (as
    `arl.train.master.MasterWeights.hold_grads` does), allocated for the train phase only;
-2. the global norm is taken on the GPU, the sums clipped there and copied to a pinned host
-   buffer once (4 bytes a parameter over PCIe), and the GPU buffer is given back;
-3. AdamW steps the host masters: ``torch.optim.AdamW(fused=True)`` on the CPU (measured on a
-   2-core machine, 104 M parameters: fused 0.06-0.07 s a step, foreach 0.14-0.37 s);
-4. the masters are cast on the host, a bucket at a time, into one of two pinned compute-dtype
-   staging buckets and copied into the forward copy without blocking (2 bytes a parameter);
-   the cast of the next bucket overlaps the copy of the last, and passes queued after them on
-   the same stream see the new weights. Two buckets of 2^26 elements (0.27 GB in bf16) instead
-   of a staging copy of the whole model: 15 GB less host memory at 7B, where the host already
-   holds 16 bytes a parameter (masters, their gradients, AdamW's moments: 122 GB).
+2. the global norm is taken on the GPU and the sums clipped there (`clip`);
+3. `step` streams the parameters chunk by chunk (at most `_CHUNK` elements, whole tensors):
+   the chunk's clipped sums are copied into one of two pinned host buffers (4 bytes a
+   parameter over PCIe, the next chunk's copy queued while this one steps), AdamW steps the
+   chunk's host masters (one parameter group per chunk; ``torch.optim.AdamW(fused=True)`` on
+   the CPU, measured on a 2-core machine, 104 M parameters: fused 0.06-0.07 s a step, foreach
+   0.14-0.37 s), and the updated masters are cast through two pinned compute-dtype buckets
+   and copied into the forward copy without blocking. The host never holds the whole model's
+   gradients: 12 bytes a parameter (masters and moments) plus the fixed buffers, which is what
+   lets a 7B model's state (91 GB) fit a 128 GB host;
+4. passes queued after the last copy on the same stream see the new weights.
 
 The forward copy is exactly the masters rounded to the compute dtype, so a weight sync in that
 dtype reads it (already on the GPU) instead of the host masters. ``master`` stays the module
@@ -33,11 +34,13 @@ import torch
 
 _ALIGN = 64  # elements: every view of a flat buffer starts on a 256-byte boundary
 _BUCKET = 1 << 26  # elements of one staging bucket
+_CHUNK = 1 << 28  # elements of one streamed optimizer chunk (1 GiB of fp32 gradients)
 
 
 class HostMasterWeights:
     """The fp32 ``master`` module in host memory and its compute-dtype ``forward`` copy on
-    ``device``, parameter by name; the same interface as `MasterWeights` plus `clip_to_host`."""
+    ``device``, parameter by name; the interface of `MasterWeights` plus `param_groups`,
+    `clip` and `step` (the optimizer step, streamed chunk by chunk)."""
 
     def __init__(
         self,
@@ -45,6 +48,7 @@ class HostMasterWeights:
         dtype: torch.dtype,
         device: torch.device,
         bucket_elements: int = _BUCKET,
+        chunk_elements: int = _CHUNK,
     ) -> None:
         if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in master.parameters()):
             raise ValueError("offloaded master weights must be float32 on the CPU")
@@ -70,11 +74,25 @@ class HostMasterWeights:
         sizes = [-(-m.numel() // _ALIGN) * _ALIGN for m, _ in self.pairs]
         self._offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         self._numel = sum(sizes)
-        self._host_grads = torch.zeros(self._numel, dtype=torch.float32, pin_memory=pin)
+        # Chunks of whole parameters, in order, each at most chunk_elements (or one tensor).
+        self.chunks: list[list[int]] = []
+        size = 0
+        for i, s in enumerate(sizes):
+            if not self.chunks or size + s > chunk_elements:
+                self.chunks.append([])
+                size = 0
+            self.chunks[-1].append(i)
+            size += s
+        largest = max((sum(sizes[i] for i in c) for c in self.chunks), default=0)
+        self._host_grads = [
+            torch.zeros(largest, dtype=torch.float32, pin_memory=pin) for _ in range(2)
+        ]
+        self._grads_in: list[torch.cuda.Event | None] = [None, None]
         bucket = min(bucket_elements, self._numel)
         self._buckets = [torch.empty(bucket, dtype=dtype, pin_memory=pin) for _ in range(2)]
         # Per bucket, the copy out of it last queued (CUDA), which must end before a refill.
         self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0  # the staging bucket the next cast goes into
         # The fp32 gradient sums on the device, and their views: only during a train phase.
         self._sums: torch.Tensor | None = None
         self._sum_views: list[torch.Tensor] = []
@@ -98,22 +116,64 @@ class HostMasterWeights:
         for _, f in self.pairs:
             f.grad = None
 
-    def clip_to_host(self, max_norm: float) -> float:
+    def param_groups(self) -> list[dict]:
+        """One optimizer parameter group per chunk of `step`, in order (the masters)."""
+        return [{"params": [self.pairs[i][0] for i in chunk]} for chunk in self.chunks]
+
+    def clip(self, max_norm: float) -> float:
         """The global L2 norm of the summed gradients, taken on the device; when finite, the
         sums are clipped to ``max_norm`` there (torch's rule: times min(1, max_norm / (norm +
-        1e-6))) and copied into the masters' gradients on the host. Returns the norm."""
+        1e-6))). Returns the norm."""
         if self._sums is None:
             return 0.0
         norm = float(torch.linalg.vector_norm(self._sums))  # the alignment padding is zeros
-        if not math.isfinite(norm):
-            return norm
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            self._sums.mul_(coef)
-        self._host_grads.copy_(self._sums)
-        for (m, _), view in zip(self.pairs, self._views(self._host_grads), strict=True):
-            m.grad = view
+        if math.isfinite(norm):
+            coef = max_norm / (norm + 1e-6)
+            if coef < 1.0:
+                self._sums.mul_(coef)
         return norm
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer step of the host masters, chunk by chunk (``optimizer``'s parameter
+        groups are `param_groups`): each chunk's clipped gradient sums go to a pinned host
+        buffer (the next chunk's copy queued before this one steps), the chunk's group steps,
+        and its masters are published into the forward copy. No-op without gradients."""
+        if self._sums is None:
+            return
+        if len(optimizer.param_groups) != len(self.chunks):
+            raise ValueError(
+                f"the offloaded optimizer needs one parameter group per chunk "
+                f"({len(self.chunks)}), got {len(optimizer.param_groups)}"
+            )
+        groups = optimizer.param_groups
+        self._fetch(0)
+        try:
+            for c, chunk in enumerate(self.chunks):
+                if c + 1 < len(self.chunks):
+                    self._fetch(c + 1)
+                if self._grads_in[c % 2] is not None:
+                    self._grads_in[c % 2].synchronize()
+                optimizer.param_groups = [groups[c]]
+                optimizer.step()
+                for i in chunk:
+                    self.pairs[i][0].grad = None
+                self._publish([self.pairs[i] for i in chunk])
+        finally:
+            optimizer.param_groups = groups
+
+    def _fetch(self, c: int) -> None:
+        """Queue the copy of chunk ``c``'s gradient sums into host buffer ``c % 2`` and point
+        the chunk's masters' gradients at it."""
+        buf, off = self._host_grads[c % 2], 0
+        for i in self.chunks[c]:
+            m = self.pairs[i][0]
+            view = buf[off : off + m.numel()].view_as(m)
+            view.copy_(self._sum_views[i], non_blocking=True)
+            m.grad = view
+            off += -(-m.numel() // _ALIGN) * _ALIGN
+        if self.device.type == "cuda":
+            self._grads_in[c % 2] = torch.cuda.Event()
+            self._grads_in[c % 2].record()
 
     def zero_grads(self) -> None:
         """Drop the copy's gradients and give the device's fp32 sums back (the memory plan
@@ -126,13 +186,18 @@ class HostMasterWeights:
                 torch.cuda.empty_cache()
 
     def publish(self) -> None:
-        """Cast the masters into the forward copy (after an optimizer step or a checkpoint
-        load): chunk by chunk of at most a bucket, cast on the host into the two pinned
-        buckets in turn, each copied to the device without blocking."""
+        """Cast the masters into the forward copy (after a checkpoint load; `step` publishes
+        each chunk it steps)."""
+        self._publish(self.pairs)
+
+    def _publish(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Cast ``pairs``' masters into their copies chunk by chunk of at most a bucket, cast on
+        the host into the two pinned buckets in turn, each copied to the device without
+        blocking."""
         cuda = self.device.type == "cuda"
-        turn = 0
+        turn = self._turn
         with torch.no_grad():
-            for m, f in self.pairs:
+            for m, f in pairs:
                 src, dst = m.detach().view(-1), f.detach().view(-1)
                 for start in range(0, src.numel(), len(self._buckets[0])):
                     n = min(len(self._buckets[0]), src.numel() - start)
@@ -146,3 +211,4 @@ class HostMasterWeights:
                         self._copied[turn] = torch.cuda.Event()
                         self._copied[turn].record()
                     turn = 1 - turn
+        self._turn = turn

@@ -51,17 +51,49 @@ def test_host_masters_accumulate_clip_and_publish_as_master_weights_do():
             mw.accumulate_grads()
     params = [m for m, _ in ref.pairs]
     want = float(torch.nn.utils.clip_grad_norm_(params, 0.5))
-    got = off.clip_to_host(0.5)
+    got = off.clip(0.5)
     assert got == pytest.approx(want, rel=1e-5) and got > 0.5  # so the clip did scale
-    for (m_ref, _), (m_off, _) in zip(ref.pairs, off.pairs, strict=True):
-        assert m_off.grad.device.type == "cpu"
-        torch.testing.assert_close(m_off.grad, m_ref.grad, rtol=1e-5, atol=1e-7)
+    # The streamed step hands each chunk the clipped gradients: SGD with lr 1 moves each
+    # master by exactly its gradient (the reference's, clipped by torch).
+    before = [m.detach().clone() for m, _ in off.pairs]
+    off.step(torch.optim.SGD(off.param_groups(), lr=1.0))
+    for (m_ref, _), (m_off, _), b in zip(ref.pairs, off.pairs, before, strict=True):
+        assert m_off.device.type == "cpu" and m_off.grad is None
+        torch.testing.assert_close(b - m_off.detach(), m_ref.grad, rtol=1e-5, atol=1e-6)
+    for m, f in off.pairs:  # each chunk was published as it stepped
+        assert torch.equal(f, m.to(torch.bfloat16))
     off.zero_grads()
     assert off._sums is None and all(f.grad is None for _, f in off.pairs)
     with torch.no_grad():
         off.master.mid.weight.add_(0.25)
     off.publish()
     assert torch.equal(off.forward.mid.weight, off.master.mid.weight.to(torch.bfloat16))
+
+
+def test_the_step_streams_chunks_of_whole_parameters_through_two_host_buffers():
+    torch.manual_seed(3)
+    base = _Tied()
+    whole = HostMasterWeights(_Tied(), torch.bfloat16, torch.device("cpu"))
+    # 900-element chunks: the 888-element embedding alone, then the small tensors together.
+    small = HostMasterWeights(_Tied(), torch.bfloat16, torch.device("cpu"), chunk_elements=900)
+    assert len(whole.chunks) == 1 and len(small.chunks) > 1
+    assert max(len(b) for b in small._host_grads) < sum(len(b) for b in whole._host_grads) / 2
+    opts = []
+    batches = [torch.randint(0, 37, (3, 5)) for _ in range(2)]
+    for mw in (whole, small):
+        mw.master.load_state_dict(base.state_dict())
+        mw.publish()
+        opt = torch.optim.AdamW(mw.param_groups(), lr=0.1)
+        for ids in batches:
+            mw.forward(ids).float().logsumexp(-1).sum().backward()
+            mw.accumulate_grads()
+            mw.clip(1.0)
+            mw.step(opt)
+            mw.zero_grads()
+        opts.append(opt)
+    for (a, fa), (b, fb) in zip(whole.pairs, small.pairs, strict=True):
+        assert torch.equal(a, b) and torch.equal(fa, fb)
+    assert len(opts[1].param_groups) == len(small.chunks)  # restored after each step
 
 
 def test_publish_stages_through_two_small_buckets_a_chunk_at_a_time():
@@ -168,4 +200,4 @@ def test_offloaded_masters_and_gradients_are_pinned_host_memory():
     master = _Tied()
     off = HostMasterWeights(master, torch.bfloat16, torch.device("cuda"))
     assert all(m.is_pinned() and f.is_cuda for m, f in off.pairs)
-    assert off._host_grads.is_pinned() and all(b.is_pinned() for b in off._buckets)
+    assert all(b.is_pinned() for b in off._host_grads + off._buckets)
