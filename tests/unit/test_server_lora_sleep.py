@@ -105,3 +105,17 @@ def test_a_plan_asking_an_engine_for_what_it_cannot_do_is_refused() -> None:
         check_engine_support(EngineSpec(name="vllm", model_path="/m", sleep_mode=True))
     check_engine_support(EngineSpec(name="vllm", model_path="/m", device="cuda:0", sleep_mode=True))
     check_engine_support(EngineSpec(name="hf", model_path="/m", lora_rank=8, sleep_mode=True))
+
+
+def test_dry_run_shows_lora_and_sleep_on_a_shared_gpus_server_command() -> None:
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    args = ["rollout.backend=vllm:d1", "cluster.n_gpus=1", "cluster.launcher=slurm"]
+    args += ["actor.lora.rank=16", "rollout.gpu_sharing=sleep"]
+    cmd = [sys.executable, "-m", "arl.launch", "recipes/arith.py", *args, "--dry-run"]
+    out = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    (line,) = [ln for ln in out.stdout.splitlines() if ln.startswith("node 0: ")]
+    assert "--enable-lora --max-lora-rank 16" in line and "--enable-sleep-mode" in line
