@@ -381,6 +381,11 @@ class HFEngine:
 
         def checksum() -> str:
             with self._model_lock:
+                if self._dropped:
+                    raise EngineAsleepError(
+                        "weights_checksum on an engine asleep without its weights: wake it and "
+                        "sync weights first"
+                    )
                 if self.lora is not None:
                     return checksum_named_tensors(lora_tensors(self._model))
                 return checksum_named_tensors(self._model.state_dict().items())
