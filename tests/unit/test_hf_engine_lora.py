@@ -82,12 +82,15 @@ async def generate_all(engine: HFEngine) -> list[list[int]]:
     return [r.output_ids for r in results]
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+# flex-compiled: the C++ flex kernel through torch.compile with the peft layers in the model.
+@pytest.mark.parametrize("attention", ["sdpa", "flex", "flex-compiled"])
 def test_engine_with_an_adapter_generates_and_scores_as_the_peft_model(
     tiny: str, attention: str
 ) -> None:
     async def main() -> None:
-        options = {"decode_attention": attention, "lora": LORA}
+        options = {"decode_attention": attention.removesuffix("-compiled"), "lora": LORA}
+        if attention == "flex-compiled":
+            options["compile_blocks"] = True
         with HFEngine(tiny, dtype="float32", max_batch_size=8, **options) as engine:
             adapter = trained_adapter(engine, seed=1)
             await load(engine, adapter)
@@ -101,6 +104,8 @@ def test_engine_with_an_adapter_generates_and_scores_as_the_peft_model(
             base = LlamaForCausalLM.from_pretrained(tiny).eval()
             assert reference_logprobs(base, ids) != pytest.approx(await engine.score(ids), abs=1e-3)
             assert (await engine.health())["lora_rank"] == LORA["rank"]
+            want_attention = options["decode_attention"]
+            assert (await engine.health())["decode_attention"] == want_attention
 
     asyncio.run(main())
 
