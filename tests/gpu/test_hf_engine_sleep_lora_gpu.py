@@ -56,8 +56,8 @@ def test_sleep_frees_what_it_reports_and_wake_decodes_again_cuda(
             assert released >= 0.95 * freed, (released, freed)
             if drop_weights:
                 assert freed >= weight_bytes
-            else:
-                assert 0 < freed < released + weight_bytes
+            else:  # the KV cache and the graphs' pool went; the weights stayed
+                assert freed > 0 and all(p.numel() for p in engine._model.parameters())
             await engine.wake()
             if drop_weights:
                 assert engine.update_weights(weights.items()) == len(weights)
