@@ -250,6 +250,8 @@ class PPOTrainer:
                 # the cache at its full size (rows x length; lazily grown if that does not fit).
                 options["warm_up_len"] = longest
                 options["decode_attention"] = cfg.rollout.hf_decode_attention
+                if cfg.actor.lora.rank > 0:  # the trainer's adapters, served on the base
+                    options["lora"] = attrs.asdict(cfg.actor.lora)
             w = await p.handle.create(
                 "arl.node.rollout:RolloutWorker",
                 name="rollout",
@@ -398,10 +400,17 @@ class PPOTrainer:
                 await self.save_recovery()
 
     def _gpu_turn(self) -> contextlib.AbstractAsyncContextManager:
-        """With ``rollout.gpu_sharing=alternate``, the engines on a train rank's GPU paused in
-        place while it trains and syncs (`RolloutController.held`); else nothing."""
-        if self.cfg.rollout.gpu_sharing != "alternate" or not self._sharing:
+        """The engines on a train rank's GPU while it trains and syncs: ``alternate`` pauses
+        them in place; ``sleep`` aborts their requests (resubmitted, waiting) and puts them to
+        sleep (KV cache freed; the weights too for a full fine-tune, whose sync rewrites them
+        all; with LoRA the base stays), and the sync wakes them before its transfer
+        (`RolloutController.held`); else nothing."""
+        sharing = self.cfg.rollout.gpu_sharing
+        if sharing not in ("alternate", "sleep") or not self._sharing:
             return contextlib.nullcontext()
+        if sharing == "sleep":
+            full = self.cfg.actor.lora.rank == 0
+            return self.rollout.held(self._sharing, sleep=True, drop_weights=full)
         return self.rollout.held(self._sharing)
 
     async def train_step(self, batch: RTensor) -> dict:

@@ -21,7 +21,7 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -102,6 +102,8 @@ class RolloutController:
         self.stats = RolloutStats()
         self._inflight = {id(w): 0 for w in self.workers}
         self._held: set[int] = set()  # workers paused in place by `held`
+        self._asleep: set[int] = set()  # held workers whose engine sleeps (`held(sleep=True)`)
+        self.sleep_freed_bytes = 0  # what the engines' last sleep freed, summed
         # Submission index -> finished group, or None for a failed/rejected one; a dict keeps
         # insertion order, which is the order the groups finished in.
         self._done: dict[int, Finished | None] = {}
@@ -397,28 +399,49 @@ class RolloutController:
         await asyncio.gather(*(w.pause(in_place) for w in self._free_workers()))
 
     @asynccontextmanager
-    async def held(self, workers: Sequence[int]) -> AsyncIterator[None]:
+    async def held(
+        self, workers: Sequence[int], *, sleep: bool = False, drop_weights: bool = False
+    ) -> AsyncIterator[None]:
         """Generation of ``workers`` (indices) paused in place for the block, e.g. while the
         GPU they share with a train rank trains; a weight sync inside the block moves their
-        version and leaves them paused until it ends."""
+        version and leaves them paused until it ends.
+
+        With ``sleep`` they are paused in abort mode and their engines sleep (KV cache freed,
+        and with ``drop_weights`` the weights a sync rewrites): their groups stay in flight,
+        the aborted generations resubmitted and waiting in the engine. The weight sync wakes
+        them before its transfer (`paused`), so they generate again only with new weights."""
         idx = [i for i in dict.fromkeys(workers) if i not in self._held]
         t = self.tracer.clock()
         self._held.update(idx)
         try:
             # Inside the try: where one pause fails, the ones that succeeded are resumed below.
-            await asyncio.gather(*(self.workers[i].pause(True) for i in idx))
+            if sleep:
+                self._asleep.update(idx)
+                freed = await asyncio.gather(*(self.workers[i].sleep(drop_weights) for i in idx))
+                self.sleep_freed_bytes = sum(freed)
+            else:
+                await asyncio.gather(*(self.workers[i].pause(True) for i in idx))
             yield
         finally:
             self._held.difference_update(idx)
+            # No sync woke them (the block failed, or held no sync): wake before resuming.
+            woken = asyncio.gather(*self._wake(idx), return_exceptions=True)
+            errors = [e for e in await woken if isinstance(e, BaseException)]
             resumed = asyncio.gather(
                 *(self.workers[i].resume() for i in idx), return_exceptions=True
             )
-            errors = [e for e in await resumed if isinstance(e, BaseException)]
+            errors += [e for e in await resumed if isinstance(e, BaseException)]
             for i in idx:
                 node = self.workers[i].node.node_id
                 self.tracer.add(node, "held", t, self.tracer.clock(), lane="weights")
             if errors and sys.exc_info()[1] is None:  # else the error in flight says more
                 raise errors[0]
+
+    def _wake(self, idx: Iterable[int]) -> list[Awaitable[None]]:
+        """Wake calls for the sleeping workers among ``idx`` (marked awake at once)."""
+        waking = [i for i in idx if i in self._asleep]
+        self._asleep.difference_update(waking)
+        return [self.workers[i].wake() for i in waking]
 
     def _free_workers(self) -> list[RolloutWorkerClient]:
         return [w for i, w in enumerate(self.workers) if i not in self._held]
@@ -428,6 +451,8 @@ class RolloutController:
         """Hold generation for a weight transfer (``in_place`` as in `pause`); resume at
         ``version`` whatever happens."""
         t = self.tracer.clock()
+        # Engines asleep for a train phase wake first: the transfer writes into their memory.
+        await asyncio.gather(*self._wake(list(self._asleep)))
         await self.pause(in_place)
         if not in_place:  # held workers keep their rows in place unless the sync aborts them
             await asyncio.gather(*(self.workers[i].pause(False) for i in self._held))

@@ -89,6 +89,11 @@ class Engine(Protocol):
     weight_targets: ClassVar[frozenset[WeightTarget]]
     # Whether `pause(in_place=True)` keeps in-flight requests (False: it aborts them).
     pause_in_place: ClassVar[bool]
+    # Whether `sleep`/`wake` free and restore the engine's GPU memory (rollout.gpu_sharing=sleep);
+    # a server may need more (vLLM: CUDA), which `arl.engines.spec.check_engine_support` says.
+    can_sleep: ClassVar[bool]
+    # Whether the engine serves a LoRA adapter on its base model (actor.lora.rank > 0).
+    serves_lora: ClassVar[bool]
     version: int
 
     @classmethod
@@ -127,6 +132,17 @@ class Engine(Protocol):
 
     def set_version(self, version: int) -> None:
         """Set the policy version stamped on tokens generated from now on."""
+        ...
+
+    async def sleep(self, drop_weights: bool = False) -> int:
+        """Pause in abort mode and free the KV cache (and with ``drop_weights`` the weights a
+        sync rewrites) for a train phase; requests sent meanwhile wait until `wake` and
+        `resume`. Returns the bytes freed where the engine measures them (else 0)."""
+        ...
+
+    async def wake(self) -> None:
+        """Reallocate what `sleep` freed; the engine stays paused (sync weights, then
+        `resume`)."""
         ...
 
     async def health(self) -> dict:

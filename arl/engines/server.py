@@ -281,6 +281,10 @@ class HttpServerEngine:
     weight_targets: ClassVar[frozenset[WeightTarget]] = frozenset({WeightTarget.DIRECTORY})
     weights_device: ClassVar[None] = None  # it takes no tensors from this process
     pause_in_place: ClassVar[bool] = False
+    # Both servers sleep (vLLM on CUDA only: `check_engine_support`) and serve LoRA adapters,
+    # each when its command line enabled it (`EngineSpec.sleep_mode`, `EngineSpec.lora_rank`).
+    can_sleep: ClassVar[bool] = True
+    serves_lora: ClassVar[bool] = True
     version: int
 
     def __init__(
@@ -298,6 +302,9 @@ class HttpServerEngine:
         self._request_timeout_s = request_timeout_s
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        # The LoRA adapter requests are served with (its name on the server), None: the base.
+        self.adapter: str | None = None
+        self._asleep = False
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._inflight = 0
@@ -318,6 +325,8 @@ class HttpServerEngine:
             dtype=spec.dtype,
             seed=spec.seed,
             start_timeout_s=spec.start_timeout_s,
+            lora_rank=spec.lora_rank,
+            sleep_mode=spec.sleep_mode,
             **options,
         )
 
@@ -400,6 +409,8 @@ class HttpServerEngine:
 
     async def resume(self) -> None:
         """Open the new running window at the current version and let requests through."""
+        if self._asleep:
+            raise ServerError(f"resume() on a sleeping {self.name} server: `await wake()` first")
         self._window_version = self.version
         await self._server_resume()
         self._resumed.set()
@@ -421,7 +432,52 @@ class HttpServerEngine:
             "version": self.version,
             "paused": not self._resumed.is_set(),
             "inflight": self._inflight,
+            "asleep": self._asleep,
+            "adapter": self.adapter,
         }
+
+    async def sleep(self, drop_weights: bool = False) -> int:
+        """Pause (abort) and release the server's GPU memory through its sleep endpoint; the
+        server measures nothing it reports, so this returns 0. ``drop_weights`` is the
+        server's choice (see each server's `_server_sleep`)."""
+        await self.pause()
+        if not self._asleep:
+            await self._server_sleep(drop_weights)
+            self._asleep = True
+        return 0
+
+    async def wake(self) -> None:
+        """Reallocate what `sleep` released; stays paused until `resume`."""
+        if self._asleep:
+            await self._server_wake()
+            self._asleep = False
+
+    async def load_adapter(self, path: str) -> str:
+        """Load the peft adapter folder ``path`` under a versioned name (``arl-<folder>``, the
+        disk sync's folders being ``v<N>``), serve requests with it, and unload the one it
+        replaces; returns the name (call while paused)."""
+        name = f"arl-{os.path.basename(os.path.normpath(path))}"
+        old = self.adapter
+        if old == name:  # the same folder again: a server refuses a name it already has
+            await self._server_unload_adapter(old)
+            old = self.adapter = None
+        await self._server_load_adapter(name, str(path))
+        self.adapter = name
+        if old is not None:
+            await self._server_unload_adapter(old)
+        return name
+
+    async def _server_sleep(self, drop_weights: bool) -> None:
+        raise NotImplementedError
+
+    async def _server_wake(self) -> None:
+        raise NotImplementedError
+
+    async def _server_load_adapter(self, name: str, path: str) -> None:
+        raise NotImplementedError
+
+    async def _server_unload_adapter(self, name: str) -> None:
+        raise NotImplementedError
 
     def _health_path(self) -> str:
         """The endpoint `health` probes; servers whose health check generates override it."""

@@ -18,12 +18,19 @@ Endpoints used:
 - ``POST /update_weights_from_disk`` -> ``{"success": bool, "message": str, ...}``. SGLang's
   distributed update (``/init_weights_update_group``, ``/update_weights_from_distributed``) is
   not used: arl's nccl mode broadcasts flat buckets, which that endpoint does not read.
+- LoRA (``lora_rank`` > 0: ``--enable-lora --max-lora-rank R --lora-target-modules all``):
+  ``POST /load_lora_adapter {"lora_name": "arl-v<N>", "lora_path": DIR}`` per synced version,
+  requests sent with ``"lora_path": <that name>``, then ``POST /unload_lora_adapter
+  {"lora_name": <previous>}``.
+- Sleep (``sleep_mode``: ``--enable-memory-saver``): ``POST /release_memory_occupation {}`` and
+  ``POST /resume_memory_occupation {}``.
 - ``GET /health`` (it generates one token, so `health` asks ``GET /get_model_info`` while
   paused), ``POST /flush_cache``.
 """
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -75,6 +82,8 @@ class SGLangEngine(HttpServerEngine):
         request_timeout_s: float = 600.0,
         max_connections: int = 1024,
         log_path: str | None = None,
+        lora_rank: int = 0,
+        sleep_mode: bool = False,
     ) -> None:
         port = port or free_port(host)
         argv = sglang_command(
@@ -86,6 +95,8 @@ class SGLangEngine(HttpServerEngine):
             dtype=dtype,
             seed=seed,
             server_args=server_args,
+            lora_rank=lora_rank,
+            sleep_mode=sleep_mode,
         )
         server = ServerProcess(
             argv, host=host, port=port, env=env, log_path=log_path, name="sglang"
@@ -110,6 +121,8 @@ class SGLangEngine(HttpServerEngine):
             dtype=spec.dtype,
             seed=spec.seed,
             server_args=spec.server_args,
+            lora_rank=spec.lora_rank,
+            sleep_mode=spec.sleep_mode,
         )
 
     async def agenerate(self, input_ids: list[int], sampling: SamplingParams) -> GenerationResult:
@@ -122,6 +135,8 @@ class SGLangEngine(HttpServerEngine):
             "return_logprob": True,
             "stream": False,
         }
+        if self.adapter is not None:
+            payload["lora_path"] = self.adapter
         self._inflight += 1
         try:
             body = await self._request("POST", "/generate", json=payload, control=False)
@@ -140,6 +155,8 @@ class SGLangEngine(HttpServerEngine):
             "logprob_start_len": 0,
             "stream": False,
         }
+        if self.adapter is not None:
+            payload["lora_path"] = self.adapter
         body = await self._request("POST", "/generate", json=payload, control=False)
         try:
             pairs = body["meta_info"]["input_token_logprobs"]
@@ -156,7 +173,13 @@ class SGLangEngine(HttpServerEngine):
     async def update_weights_from_disk(
         self, path: str, *, load_format: str | None = None, flush_cache: bool = True
     ) -> dict:
-        """Load new weights from the HF-format directory ``path`` (call while paused)."""
+        """Load new weights from the HF-format directory ``path``, or a peft adapter folder
+        by a versioned name (`load_adapter`) (call while paused)."""
+        if os.path.isfile(os.path.join(path, "adapter_config.json")):
+            name = await self.load_adapter(path)
+            if flush_cache:
+                await self.flush_cache()
+            return {"success": True, "adapter": name}
         body = {"model_path": str(path), "load_format": load_format, "flush_cache": flush_cache}
         return await self._checked("/update_weights_from_disk", body)
 
@@ -174,6 +197,25 @@ class SGLangEngine(HttpServerEngine):
 
     async def _server_resume(self) -> None:
         await self._request("POST", "/continue_generation", json={})
+
+    async def _server_sleep(self, drop_weights: bool) -> None:
+        await self._checked_or_empty("/release_memory_occupation", {})
+
+    async def _server_wake(self) -> None:
+        await self._checked_or_empty("/resume_memory_occupation", {})
+
+    async def _server_load_adapter(self, name: str, path: str) -> None:
+        await self._checked("/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    async def _server_unload_adapter(self, name: str) -> None:
+        await self._checked("/unload_lora_adapter", {"lora_name": name})
+
+    async def _checked_or_empty(self, path: str, body: dict) -> None:
+        """POST ``body``; an answer that is a map must say ``success`` (SGLang's memory
+        endpoints answer with an empty body)."""
+        result = await self._request("POST", path, json=body)
+        if isinstance(result, dict) and result.get("success") is False:
+            raise ServerError(f"sglang {path} did not succeed: {str(result)[:1000]}")
 
     async def _checked(self, path: str, body: dict) -> dict:
         """POST ``body``; raise `ServerError` unless the answer says ``success``."""
@@ -193,6 +235,8 @@ def sglang_command(
     dtype: str | None = None,
     seed: int | None = None,
     server_args: Sequence[str] = (),
+    lora_rank: int = 0,
+    sleep_mode: bool = False,
 ) -> list[str]:
     """The SGLang server command line; settings left None are left to SGLang."""
     argv = [*launch_cmd, "--model-path", model_path, "--host", host, "--port", port]
@@ -202,6 +246,10 @@ def sglang_command(
         argv += ["--dtype", dtype]
     if seed is not None:
         argv += ["--random-seed", str(seed)]
+    if lora_rank > 0:
+        argv += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--lora-target-modules", "all"]
+    if sleep_mode:
+        argv += ["--enable-memory-saver"]
     return [*argv, *server_args]
 
 

@@ -50,6 +50,10 @@ class EngineSpec:
     python: str = "python"
     server_args: tuple[str, ...] = ()
     start_timeout_s: float = 600.0
+    # actor.lora.rank (0: no adapter): a server is started able to serve adapters of this rank.
+    lora_rank: int = 0
+    # rollout.gpu_sharing=sleep: a server is started with its sleep endpoints enabled.
+    sleep_mode: bool = False
 
     def __attrs_post_init__(self) -> None:
         problems = [
@@ -96,6 +100,8 @@ class EngineSpec:
             "python": str,
             "server_args": list,
             "start_timeout_s": (int, float),
+            "lora_rank": int,
+            "sleep_mode": bool,
         }
         unknown = set(d) - set(types)
         if unknown:
@@ -103,7 +109,7 @@ class EngineSpec:
         for key, typ in types.items():
             if key not in d:
                 raise ValueError(f"engine spec: field {key!r} is missing")
-            if not isinstance(d[key], typ) or isinstance(d[key], bool):
+            if not isinstance(d[key], typ) or (isinstance(d[key], bool) and typ is not bool):
                 raise ValueError(
                     f"engine spec: field {key!r} has type {type(d[key]).__name__}, expected "
                     f"{getattr(typ, '__name__', typ)}"
@@ -139,7 +145,10 @@ def engine_spec(
         python=cfg.rollout.server_python,
         server_args=tuple(cfg.rollout.server_args),
         start_timeout_s=cfg.rollout.server_start_timeout,
+        lora_rank=int(cfg.actor.lora.rank),
+        sleep_mode=cfg.rollout.gpu_sharing == "sleep" and node.colocated,
     )
+    check_engine_support(spec)
     if spec.is_server:
         server_command(spec)  # refuses server_args that repeat a flag arl sets
     elif spec.server_args:
@@ -148,6 +157,28 @@ def engine_spec(
             f"{cfg.rollout.backend!r} starts no server; remove them or use vllm/sglang"
         )
     return spec
+
+
+def check_engine_support(spec: EngineSpec) -> None:
+    """Refuse, before any node starts, a spec asking its engine for what it cannot do: a LoRA
+    adapter where the engine serves none, sleep where it cannot sleep (vLLM's sleep mode
+    needs CUDA)."""
+    cls = engine_class(spec.name)
+    if spec.lora_rank > 0 and not cls.serves_lora:
+        raise ConfigError(
+            f"actor.lora.rank={spec.lora_rank}: the {spec.name} engine serves no LoRA adapter; "
+            "set actor.lora.rank=0 or pick an engine that does (hf, vllm, sglang)"
+        )
+    if spec.sleep_mode and not cls.can_sleep:
+        raise ConfigError(
+            f"rollout.gpu_sharing=sleep: the {spec.name} engine cannot sleep; use "
+            "rollout.gpu_sharing=alternate"
+        )
+    if spec.sleep_mode and spec.name == "vllm" and not spec.device.startswith("cuda"):
+        raise ConfigError(
+            f"rollout.gpu_sharing=sleep: vLLM's sleep mode needs CUDA, but this engine runs on "
+            f"{spec.device!r}; use rollout.gpu_sharing=alternate (or concurrent)"
+        )
 
 
 def engine_class(name: str) -> Any:

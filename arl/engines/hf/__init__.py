@@ -32,10 +32,21 @@ step boundary (the caller resubmits it, so its prompt and tokens so far are pref
 in the batch; after `resume()` they decode on under the new weights, attending to the keys and
 values cached under the old ones (PipelineRL's in-flight update). Each token keeps the log-prob
 it was sampled with and its version, which is what the decoupled PPO loss needs.
+
+LoRA (engine option ``lora``, the ``actor.lora`` dict): the trainer's peft adapters are injected
+into the loaded model before the blocks are compiled and graphs captured, so the engine computes
+base + adapter exactly as the trainer's forward does; a sync copies the adapter's tensors in place
+(or loads a peft adapter folder), and `weights_checksum` covers the adapter only.
+
+Sleeping (``rollout.gpu_sharing=sleep``): `sleep(drop_weights)` pauses in abort mode and frees
+the decode graphs and the KV cache, and with ``drop_weights`` the storage of the weights a sync
+rewrites (the Parameters stay, empty); `wake()` reallocates them, and the next sync fills them.
+Requests submitted meanwhile wait until `resume()`.
 """
 
 from arl.engines.hf.engine import HFEngine
 from arl.engines.hf.errors import (
+    EngineAsleepError,
     EngineClosedError,
     EngineNotPausedError,
     EngineStepError,
@@ -45,6 +56,7 @@ from arl.engines.hf.errors import (
 from arl.engines.hf.weights import checksum_named_tensors
 
 __all__ = [
+    "EngineAsleepError",
     "EngineClosedError",
     "EngineNotPausedError",
     "EngineStepError",

@@ -19,6 +19,7 @@ import torch
 from arl.engines.base import FinishReason, GenerationResult, SamplingParams, WeightTarget
 from arl.engines.hf.attention import cache_kwarg, compile_norm_and_mlp, register_attention
 from arl.engines.hf.errors import (
+    EngineAsleepError,
     EngineClosedError,
     EngineNotPausedError,
     EngineStepError,
@@ -29,7 +30,8 @@ from arl.engines.hf.flex import DECODE_ATTENTIONS, KV_BLOCK, flex_decode, regist
 from arl.engines.hf.graphs import DecodeGraphs, buckets, row_bucket, width_bucket
 from arl.engines.hf.kv_cache import SlotKVCache
 from arl.engines.hf.request import Request, deliver, settle
-from arl.engines.hf.weights import checksum_named_tensors, iter_safetensors
+from arl.engines.hf.weights import checksum_named_tensors, is_adapter_folder, iter_weights_folder
+from arl.engines.lora import add_lora, is_lora_name, lora_enabled, lora_tensors
 
 if TYPE_CHECKING:
     from arl.engines.spec import EngineSpec
@@ -69,6 +71,8 @@ class HFEngine:
         {WeightTarget.TENSORS, WeightTarget.DIRECTORY}
     )
     pause_in_place: ClassVar[bool] = True
+    can_sleep: ClassVar[bool] = True
+    serves_lora: ClassVar[bool] = True
     version: int
 
     def __init__(
@@ -87,6 +91,7 @@ class HFEngine:
         grouped_attention: bool = True,
         warm_up_len: int = 0,
         decode_attention: str = "auto",
+        lora: dict | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -139,6 +144,12 @@ class HFEngine:
         model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=self.dtype, attn_implementation=attention
         )
+        # LoRA (``lora``: ``actor.lora`` as a dict): the trainer's adapters, injected before the
+        # blocks are compiled and graphs captured, so both see the peft layers; a sync then
+        # copies the adapter's tensors in place like any other weight.
+        self.lora = dict(lora) if lora_enabled(lora) else None
+        if self.lora is not None:
+            model = add_lora(model, self.lora)
         self._model = model.to(self.device).eval().requires_grad_(False)
         self._cache_kw = cache_kwarg(self._model.forward)
         # torch.compile of the norms and MLPs fuses their elementwise kernels (a decode step of a
@@ -204,6 +215,10 @@ class HFEngine:
         self._prefill_tokens = 0
         self._last_admit_step = 0
         self._graphs = DecodeGraphs(self.device)
+        self._warm_up_len = min(warm_up_len, max_seq_len)
+        self._asleep = False
+        self._dropped: list[tuple[torch.nn.Parameter, torch.Size]] = []  # weights a sleep freed
+        self._sleep_freed_bytes = 0
         self.warm_up_s = 0.0
         if warm_up_len and self.cuda_graphs:
             self._warm_up(min(warm_up_len, max_seq_len))
@@ -245,6 +260,11 @@ class HFEngine:
     async def resume(self) -> None:
         """Let held, kept (in place) and resubmitted requests run again."""
         with self._cv:
+            if self._asleep:
+                raise EngineAsleepError(
+                    "resume() on a sleeping hf engine: `await engine.wake()` first (and, after "
+                    "a sleep that dropped the weights, load new ones)"
+                )
             self._paused = self._in_place = False
             self._release_pause_waiters_locked()
             self._cv.notify()
@@ -280,6 +300,9 @@ class HFEngine:
                 "prefills": self._prefills,
                 "prefill_tokens": self._prefill_tokens,
                 "last_error": self._last_error,
+                "lora_rank": int(self.lora["rank"]) if self.lora else 0,
+                "asleep": self._asleep,
+                "sleep_freed_bytes": self._sleep_freed_bytes,
             }
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -298,6 +321,11 @@ class HFEngine:
             if self._thread is not None and self._thread.is_alive() and not self._parked:
                 raise EngineNotPausedError(
                     "pause() has not completed yet: await it before updating weights"
+                )
+            if self._asleep and self._dropped:
+                raise EngineAsleepError(
+                    "update_weights on an engine asleep without its weights: `await "
+                    "engine.wake()` first (it reallocates them)"
                 )
         count = 0
         with self._model_lock, torch.no_grad():
@@ -329,10 +357,17 @@ class HFEngine:
         return count
 
     async def update_weights_from_disk(self, path: str) -> None:
-        """Load every ``*.safetensors`` file of an HF folder (or one file) into the model
+        """Load every ``*.safetensors`` file of an HF folder (or one file), or a peft adapter
+        folder (``adapter_config.json``: an engine built with ``lora``), into the model
         (paused; the reading and copying run off the event loop)."""
+        folder = Path(path)
+        if is_adapter_folder(folder) and self.lora is None:
+            raise UnknownWeightError(
+                f"{path!r} is a peft adapter folder, but this hf engine serves no adapter; "
+                "build it with the engine option lora (actor.lora.rank > 0)"
+            )
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, lambda: self.update_weights(iter_safetensors(Path(path))))
+        await loop.run_in_executor(None, lambda: self.update_weights(iter_weights_folder(folder)))
 
     @property
     def weights_device(self) -> torch.device:
@@ -341,10 +376,18 @@ class HFEngine:
 
     async def weights_checksum(self) -> str:
         """`checksum_named_tensors` over the model's state dict (tied aliases included, as the
-        trainer's full state dict has them); computed off the event loop."""
+        trainer's full state dict has them), or with LoRA over the adapter's tensors only (what
+        the trainer syncs and checksums); computed off the event loop."""
 
         def checksum() -> str:
             with self._model_lock:
+                if self._dropped:
+                    raise EngineAsleepError(
+                        "weights_checksum on an engine asleep without its weights: wake it and "
+                        "sync weights first"
+                    )
+                if self.lora is not None:
+                    return checksum_named_tensors(lora_tensors(self._model))
                 return checksum_named_tensors(self._model.state_dict().items())
 
         return await asyncio.get_running_loop().run_in_executor(None, checksum)
@@ -365,7 +408,74 @@ class HFEngine:
 
         with self._cv:
             self._raise_if_unusable_locked()
+            if self._asleep:
+                raise EngineAsleepError("score() on a sleeping hf engine: `await engine.wake()`")
         return await asyncio.get_running_loop().run_in_executor(None, forward)
+
+    async def sleep(self, drop_weights: bool = False) -> int:
+        """Free the GPU for a train phase: pause in abort mode (running requests return
+        ``"abort"``; new ones wait until `wake` and `resume`), drop the decode graphs and the
+        KV cache, and with ``drop_weights`` the storage of every weight a sync rewrites (all
+        parameters; with LoRA the adapter's only, the base stays). Returns the bytes freed
+        (measured on CUDA), which `health` reports; `wake` undoes it."""
+        await self.pause(in_place=False)
+        with self._cv:
+            self._raise_if_unusable_locked()
+            if self._asleep:
+                return self._sleep_freed_bytes
+
+        def free() -> int:
+            with self._model_lock, torch.no_grad():
+                on_cuda = self.device.type == "cuda"
+                if on_cuda:
+                    torch.cuda.synchronize(self.device)
+                    before = torch.cuda.memory_allocated(self.device)
+                host = sum(
+                    t.nbytes for t in (*self._cache.keys.values(), *self._cache.values.values())
+                )
+                self._graphs.clear()
+                self._cache.free()
+                if drop_weights:
+                    for name, p in self._model.named_parameters():
+                        if self.lora is None or is_lora_name(name):
+                            self._dropped.append((p, p.shape))
+                            host += p.nbytes
+                            # The same Parameter object stays (compiled blocks and `_weights`
+                            # hold it); only its storage goes, until `wake`.
+                            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                if not on_cuda:
+                    return host
+                torch.cuda.synchronize(self.device)
+                freed = before - torch.cuda.memory_allocated(self.device)
+                torch.cuda.empty_cache()
+                return freed
+
+        freed = await asyncio.get_running_loop().run_in_executor(None, free)
+        with self._cv:
+            self._asleep, self._sleep_freed_bytes = True, freed
+        return freed
+
+    async def wake(self) -> None:
+        """Undo `sleep`: reallocate dropped weights (uninitialised: load new ones before
+        `resume`) and size the KV cache for the warm-up length again; decode graphs are
+        re-captured on first use. The engine stays paused until `resume`."""
+        with self._cv:
+            self._raise_if_unusable_locked()
+            if not self._asleep:
+                return
+
+        def allocate() -> None:
+            with self._model_lock:
+                for p, shape in self._dropped:
+                    p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+                self._dropped.clear()
+                if self._warm_up_len and self.cuda_graphs:
+                    # The size the warm-up gave it: grown on demand, every graph goes stale.
+                    self._cache.reserve(self.max_batch_size, self._warm_up_len)
+
+        await asyncio.get_running_loop().run_in_executor(None, allocate)
+        with self._cv:
+            self._asleep = False
 
     async def start(self) -> None:
         """Nothing to start: the model loaded in the constructor and the decode thread starts

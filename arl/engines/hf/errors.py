@@ -21,3 +21,7 @@ class EngineStepError(HFEngineError):
 
 class UnknownWeightError(HFEngineError, KeyError):
     """A weight name given to `update_weights` is not a parameter or buffer of the model."""
+
+
+class EngineAsleepError(HFEngineError):
+    """The engine is asleep (its KV cache, and perhaps its weights, freed): `wake()` it first."""

@@ -1,4 +1,5 @@
-"""Weights of the hf engine: the checksum trainer and engine compare, and safetensors reading."""
+"""Weights of the hf engine: the checksum trainer and engine compare, and reading a weights
+folder (an HF safetensors folder, or a peft adapter folder)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def checksum_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) ->
 
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the ``*.safetensors`` files of a folder (or of one file), by name."""
     from safetensors import safe_open
 
     files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
@@ -39,3 +41,21 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def is_adapter_folder(path: Path) -> bool:
+    """Whether ``path`` is a peft adapter folder (it has an ``adapter_config.json``)."""
+    return (path / "adapter_config.json").is_file()
+
+
+def iter_weights_folder(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors a weight sync wrote to ``path``: a peft adapter folder's tensors under the
+    names the engine's injected adapter has (`arl.engines.lora.load_adapter`), else every
+    tensor of its safetensors files."""
+    if path.is_dir() and is_adapter_folder(path):
+        from arl.engines.lora import load_adapter
+
+        tensors, _ = load_adapter(path)
+        yield from tensors.items()
+        return
+    yield from iter_safetensors(path)
