@@ -9,6 +9,7 @@ trains only the remaining steps, on the data ids of an uninterrupted run
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -127,3 +128,74 @@ def test_sigterm_saves_and_the_same_command_resumes_on_the_same_data(tmp_path, t
     finished = _run(run_dir, tiny_model)  # the run is complete: not resumed a second time
     assert finished.returncode == 2, finished.stderr[-3000:]
     assert "already holds a run" in finished.stderr and "cannot continue" in finished.stderr
+
+
+# Writes a stop checkpoint of step 1, then starts step 2's and waits inside the write (its
+# rank state on disk, not yet committed) for the SIGKILL.
+_KILLED_WRITER = """
+import asyncio, sys, time
+from pathlib import Path
+import torch
+from safetensors.torch import save_file
+from arl.ckpt.rank_state import save_rank_state
+from arl.ckpt.recovery import RecoveryState, Saver
+
+run = Path(sys.argv[1])
+torch.manual_seed(0)
+model = torch.nn.Linear(64, 64)
+opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+def step():
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+
+async def main():
+    saver = Saver(run)
+    step()
+    async with saver.write(RecoveryState(1, 1, {"at": 1}, stopped=True)) as tmp:
+        save_rank_state(tmp / "model", 0, 1, model, opt)
+    save_file({"weight": model.weight.detach().clone()}, str(run / "want.safetensors"))
+    step()
+    async with saver.write(RecoveryState(2, 2, {"at": 2}, stopped=True)) as tmp:
+        save_rank_state(tmp / "model", 0, 1, model, opt)
+        (run / "writing").touch()
+        time.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+def test_sigkill_during_the_stop_checkpoint_write_leaves_the_previous_loadable(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from arl.ckpt.rank_state import load_rank_state
+    from arl.ckpt.recovery import RecoveryState, Saver, read_latest
+
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(tmp_path)], env=ENV)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "writing").exists():
+            assert proc.poll() is None, "the writer ended early"
+            assert time.monotonic() < deadline, "the writer never reached step 2's write"
+            time.sleep(0.05)
+        assert (tmp_path / "recover" / "step2.tmp" / "model" / "rank0.json").exists()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    latest = read_latest(tmp_path)
+    assert (latest.step, latest.stopped, latest.rollout) == (1, True, {"at": 1})
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    load_rank_state(latest.path / "model", 0, 1, model, opt)
+    assert torch.equal(model.weight, load_file(str(tmp_path / "want.safetensors"))["weight"])
+    assert set(opt.state[model.weight]) == {"step", "exp_avg", "exp_avg_sq"}
+
+    async def save_again() -> None:  # the leftover partial folder is no obstacle
+        async with Saver(tmp_path).write(RecoveryState(2, 2, {"at": 2})) as tmp:
+            (tmp / "model").mkdir()
+
+    asyncio.run(save_again())
+    assert read_latest(tmp_path).step == 2
+    assert sorted(p.name for p in (tmp_path / "recover").iterdir()) == ["latest", "step2"]
