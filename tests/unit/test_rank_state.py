@@ -34,24 +34,39 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(model_dir: str, dtype: str) -> TrainWorker:
+def _worker(model_dir: str, dtype: str, device: str = "cpu") -> TrainWorker:
     actor = attrs.asdict(ActorConfig(path=model_dir, dtype=dtype))
-    return TrainWorker(actor, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_port()}")
+    url = f"tcp://127.0.0.1:{_port()}"
+    return TrainWorker(actor, rank=0, world_size=1, init_method=url, device=device)
 
 
 def _step(w: TrainWorker) -> None:
     """One real AdamW step of the engine on fixed gradients."""
     g = torch.Generator().manual_seed(3)
     for p in w.engine.model.parameters():
-        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        p.grad = torch.randn(p.shape, generator=g).to(p.device, p.dtype)
     w.engine.optimizer.step()
     w.engine.optimizer.zero_grad()
     w.engine.sync_forward_weights()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_state_round_trips_in_place(tmp_path, model_dir, dtype):
-    a = _worker(model_dir, dtype)
+_CUDA = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "device"),
+    [
+        ("float32", "cpu"),
+        ("bfloat16", "cpu"),
+        # fused AdamW (its step on the device), CUDA graphs holding the parameters, CUDA RNG
+        pytest.param("bfloat16", "cuda", marks=_CUDA),
+    ],
+)
+def test_state_round_trips_in_place(tmp_path, model_dir, dtype, device):
+    a = _worker(model_dir, dtype, device)
     try:
         _step(a)
         assert a.save_state(str(tmp_path / "model")) > 0
@@ -61,10 +76,11 @@ def test_state_round_trips_in_place(tmp_path, model_dir, dtype):
             for n, p in a.engine.model.named_parameters()
         }
         want_rng = torch.get_rng_state()
+        want_cuda_rng = torch.cuda.get_rng_state() if device == "cuda" else None
     finally:
         a.close()
-    torch.manual_seed(99)  # a different RNG state, to be restored
-    b = _worker(model_dir, dtype)
+    torch.manual_seed(99)  # a different RNG state (CUDA's too), to be restored
+    b = _worker(model_dir, dtype, device)
     try:
         params = dict(b.engine.model.named_parameters())
         ptrs = {n: p.data_ptr() for n, p in params.items()}
@@ -78,6 +94,8 @@ def test_state_round_trips_in_place(tmp_path, model_dir, dtype):
             for k, v in want_opt[n].items():
                 assert torch.equal(state[k].cpu(), v.cpu()), (n, k)
         assert torch.equal(torch.get_rng_state(), want_rng)
+        if want_cuda_rng is not None:
+            assert torch.equal(torch.cuda.get_rng_state(), want_cuda_rng)
         assert b.get_step() == 1
         # The forward copy (bf16 on one rank) was refreshed from the loaded masters.
         fwd = dict(b.engine.forward_model.named_parameters())
@@ -86,10 +104,12 @@ def test_state_round_trips_in_place(tmp_path, model_dir, dtype):
     finally:
         b.close()
     files = sorted(p.name for p in (tmp_path / "model").iterdir())
+    cuda = ["rng-cuda-rank0.bin"] if device == "cuda" else []
     assert files == [
         "optim-rank0.safetensors",
         "params-rank0.safetensors",
         "rank0.json",
+        *cuda,
         "rng-rank0.bin",
     ]
     meta = json.loads((tmp_path / "model" / "rank0.json").read_text())
