@@ -4,7 +4,9 @@ Real launcher processes on the tiny model with default recovery settings (``reco
 disabled): SIGTERM after step 2 of 6 exits 143 with a recovery checkpoint; a rerun with another
 batch size is refused before any node starts, naming the key; the same command resumes and
 trains only the remaining steps, on the data ids of an uninterrupted run
-(``rollout.batch_order=submitted``), and ends 0; a third run is refused as finished.
+(``rollout.batch_order=submitted``), and ends 0; a third run is refused as finished. A first
+Ctrl-C stops the same way (exit 130); SIGKILL inside a checkpoint write leaves the previous one
+loadable.
 """
 
 from __future__ import annotations
@@ -128,6 +130,39 @@ def test_sigterm_saves_and_the_same_command_resumes_on_the_same_data(tmp_path, t
     finished = _run(run_dir, tiny_model)  # the run is complete: not resumed a second time
     assert finished.returncode == 2, finished.stderr[-3000:]
     assert "already holds a run" in finished.stderr and "cannot continue" in finished.stderr
+
+
+def test_a_first_ctrl_c_is_a_stop_too(tmp_path, tiny_model):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        _command(run_dir, tiny_model, "experiment.total_train_steps=50"),
+        cwd=REPO,
+        env=ENV,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while not _rows(run_dir):
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "no step 1 in time"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Ctrl-C: stopping after this step with a recovery checkpoint" in err, err[-3000:]
+    assert "stopped by Ctrl-C after step " in err and "Traceback" not in err, err[-3000:]
+    recover = run_dir / "stop" / "trial0" / "recover"
+    state = json.loads((recover / (recover / "latest").read_text() / "state.json").read_text())
+    assert state["stopped"] and state["step"] >= 1
+    assert sorted(p.name for p in (recover / f"step{state['step']}" / "model").iterdir()) == [
+        "optim-rank0.safetensors",
+        "params-rank0.safetensors",
+        "rank0.json",
+        "rng-rank0.bin",
+    ]
 
 
 # Writes a stop checkpoint of step 1, then starts step 2's and waits inside the write (its
