@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         if signals.received is None and not isinstance(sys.exc_info()[1], KeyboardInterrupt):
             raise
         resume = ""
-        if read_latest(cfg.run_path) is not None:
+        state = read_latest(cfg.run_path)
+        if state is not None and state.resumes(cfg.recover.mode, cfg.experiment.total_train_steps):
             resume = "; run the same command to resume from the last recovery checkpoint"
         signum = signals.received or signal.SIGINT
         why = {
@@ -209,13 +210,15 @@ class _StopSignals:
     During training the first one asks the trainer to stop with a checkpoint (`StopRequest`);
     before training (nothing to save yet), on a second signal, or once ``grace_s`` passed, the
     run is cancelled: its nodes are ended and its files closed, then `KeyboardInterrupt` (or
-    the run's `asyncio.CancelledError`). A handler someone else installed is left alone, and so
-    is an ignored SIGINT (a background job of a script: SIGTERM still stops it).
+    the run's `asyncio.CancelledError`); a third signal leaves at once. A handler someone else
+    installed is left alone, and so is an ignored SIGINT (a background job of a script: SIGTERM
+    still stops it).
     """
 
     def __init__(self, grace_s: float) -> None:
         self.received: int | None = None  # the first signal
         self.cut = ""  # "second" or "grace": the run was ended without its checkpoint
+        self._count = 0  # signals received
         self.stop = StopRequest(grace_s, on_expiry=self._grace_over)
         self._installed = []
         for signum, default in (
@@ -230,6 +233,9 @@ class _StopSignals:
         first = self.received is None
         if first:
             self.received = signum
+        self._count += 1
+        if self._count > 2:  # the teardown itself is stuck: leave now (nodes get PDEATHSIG)
+            raise KeyboardInterrupt
         if first and self.stop.request(signum):
             print(
                 f"{signal_name(signum)}: stopping after this step with a recovery checkpoint "
@@ -238,7 +244,7 @@ class _StopSignals:
                 flush=True,
             )
             return
-        if not first:
+        if not first and not self.stop.settled:  # settled: its checkpoint is already written
             self.cut = "second"
         self._end_now()
 

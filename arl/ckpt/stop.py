@@ -48,6 +48,7 @@ class StopRequest:
         self.on_expiry = on_expiry
         self.signum: int | None = None
         self.expired = False
+        self.settled = False  # `done` was called: the stop's checkpoint is on disk (or needless)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._event: asyncio.Event | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -97,6 +98,7 @@ class StopRequest:
 
     def done(self) -> None:
         """The checkpoint is written (or nothing needed one): the grace period is over."""
+        self.settled = True
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
