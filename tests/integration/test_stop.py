@@ -165,6 +165,32 @@ def test_a_first_ctrl_c_is_a_stop_too(tmp_path, tiny_model):
     ]
 
 
+def test_a_stop_past_its_grace_period_ends_without_the_checkpoint(tmp_path, tiny_model):
+    run_dir = tmp_path / "run"
+    cmd = _command(run_dir, tiny_model, "experiment.total_train_steps=50")
+    proc = subprocess.Popen(
+        [*cmd, "recover.stop_grace_s=0.001"], cwd=REPO, env=ENV, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while not _rows(run_dir):
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "no step 1 in time"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert (
+        "stopped by SIGTERM: the run and its nodes were ended without a checkpoint: it was not "
+        "written within recover.stop_grace_s=0.001s" in err
+    ), err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    recover = run_dir / "stop" / "trial0" / "recover"
+    assert not recover.exists() or list(recover.iterdir()) == []  # no partial folder left
+
+
 # Writes a stop checkpoint of step 1, then starts step 2's and waits inside the write (its
 # rank state on disk, not yet committed) for the SIGKILL.
 _KILLED_WRITER = """
