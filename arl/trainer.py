@@ -485,7 +485,6 @@ class PPOTrainer:
                 f"to {path} in {seconds:.1f} s"
             )
         stop.done()
-        log.info("%s", note)
         raise RunStopped(stop.signum, self.step, path, seconds, note)
 
     def _gpu_turn(self) -> contextlib.AbstractAsyncContextManager:
