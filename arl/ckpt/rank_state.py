@@ -113,18 +113,18 @@ def save_rank_state(
     return need
 
 
-def check_format(folder: str | Path, world_size: int | None = None) -> None:
-    """Raise `RankStateError` unless ``folder`` holds rank states in this format (and, given
-    ``world_size``, of that many ranks); reads JSON only."""
+def check_format(folder: str | Path, world_size: int | None = None, rank: int = 0) -> None:
+    """Raise `RankStateError` unless ``folder`` holds ``rank``'s state in this format (and,
+    given ``world_size``, of that many ranks); reads JSON only."""
     folder = Path(folder)
-    if (folder / ".metadata").exists() or not (folder / "rank0.json").exists():
+    if (folder / ".metadata").exists() or not (folder / f"rank{rank}.json").exists():
         raise RankStateError(
             f"{folder} is not a recovery state this arl can load: it was written by an older "
             "arl through torch.distributed.checkpoint, whose metadata is a pickle that could "
             "run code, so it is not read. Start afresh with experiment.overwrite=true (the old "
             "run is moved aside) or a new experiment.trial"
         )
-    meta = _read_meta(folder, 0)
+    meta = _read_meta(folder, rank)
     saved = int(meta.get("world_size", -1))
     if world_size is not None and saved != world_size:
         raise RankStateError(
@@ -152,7 +152,7 @@ def load_rank_state(
     their own devices), ``optimizer``'s state and the RNGs; raises `RankStateError` naming
     what differs."""
     folder = Path(folder)
-    check_format(folder, world_size)
+    check_format(folder, world_size, rank)
     meta = _read_meta(folder, rank)
     params = trainable(model)
     have = {n for n, _ in params}
