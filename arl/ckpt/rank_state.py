@@ -205,6 +205,13 @@ def _load_optimizer(
         groups.append(ids)
     if len(meta["param_groups"]) != len(groups):
         raise RankStateError(f"{folder}: the optimizer has another number of parameter groups")
+    unknown = sorted({k.rpartition("/")[0] for k in flat} | set(meta["optim_scalars"]))
+    unknown = [n for n in unknown if n not in index]
+    if unknown:
+        raise RankStateError(
+            f"{folder}: optimizer state for parameters this optimizer does not step: "
+            f"{unknown[:5]}; resume with the run's own model and actor settings"
+        )
     state: dict[int, dict[str, Any]] = {}
     for key, t in flat.items():
         name, _, field = key.rpartition("/")
