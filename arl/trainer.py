@@ -196,7 +196,9 @@ class PPOTrainer:
         if data is None:
             data = await loop.run_in_executor(None, load_data, cfg)
         rows, self.eval_rows = data
-        self._carry = resume_keys(cfg, len(self.cluster.train), rows)
+        # Hashing the rows' ids takes a while for a large dataset: off the event loop.
+        n_train = len(self.cluster.train)
+        self._carry = await loop.run_in_executor(None, resume_keys, cfg, n_train, rows)
         state = self.saver.latest()
         if state is not None and not state.resumes(
             cfg.recover.mode, cfg.experiment.total_train_steps
