@@ -1,9 +1,9 @@
 """A full disk while checkpointing leaves the previous recovery checkpoint valid.
 
 The run test puts the run's ``recover/`` folder on a real tmpfs big enough for one checkpoint
-but not two, so the train rank's second save fails with ENOSPC (the rank checks the free space before
-writing and names the bytes needed and free). It needs
-root and a mount(2) the container allows; elsewhere it is skipped with the reason, and the
+but not two, so the train rank's second save fails with ENOSPC (the rank checks the free space
+before writing and names the bytes needed and free). It needs root and a mount(2) the container
+allows; elsewhere it is skipped with the reason, and the
 `Saver` tests below still fail its write with a real ENOSPC ``OSError`` raised from inside the
 write (where the train ranks' error surfaces).
 """
