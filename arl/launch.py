@@ -167,10 +167,14 @@ def main(argv: list[str] | None = None) -> int:
         saved = save_resolved(cfg, cfg.run_path / "config.yaml")
         log.info("resolved config saved to %s (run id %s)", saved, claim.run_id)
         return supervise(cfg, plan, claim.run_id, data, signals.stop)
-    except (ConfigError, DatasetError, RunDirError, InputError, ModelResolutionError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except ResumeRefused as e:
+    except (
+        ConfigError,
+        DatasetError,
+        RunDirError,
+        InputError,
+        ModelResolutionError,
+        ResumeRefused,
+    ) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RunStopped as e:
