@@ -152,3 +152,28 @@ def test_a_stop_past_its_grace_period_is_ended_and_done_cancels_it():
 
     asyncio.run(go())
     assert ended == ["late"]
+
+
+def test_a_second_signal_cancels_the_run_and_a_third_leaves_at_once():
+    from arl.event_loop import run_loop
+    from arl.launch import _StopSignals
+
+    signals = _StopSignals(60.0)
+    try:
+        seen = {}
+
+        async def run() -> None:
+            signals.stop.arm()  # as the trainer's loop does
+            signals._on_signal(signal.SIGTERM, None)
+            seen["first"] = (signals.stop.requested, signals.cut)
+            await asyncio.sleep(0)
+            signals._on_signal(signal.SIGTERM, None)  # cancels this run
+            await asyncio.sleep(5)
+
+        with pytest.raises(asyncio.CancelledError):
+            run_loop(run())
+        assert seen["first"] == (True, "") and signals.cut == "second"
+        with pytest.raises(KeyboardInterrupt):
+            signals._on_signal(signal.SIGTERM, None)
+    finally:
+        signals.restore()
