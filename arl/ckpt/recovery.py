@@ -8,10 +8,11 @@ wrote it, and ``carry``: the settings and data identity a resume must share, `re
 ``latest`` names the newest complete one; it is replaced (rename) only after everything else is
 on disk (and fsynced). Nothing here is unpickled: JSON and safetensors only.
 
-Which checkpoint a run resumes from (`resumable`): the latest, short of
+Which checkpoint a run resumes from (`RecoveryState.resumes`): the latest, short of
 ``experiment.total_train_steps``, with ``recover.mode=auto`` or when a stop (SIGTERM, Ctrl-C)
-wrote it. `check_resume` refuses, before any node starts, a checkpoint whose settings differ
-in what a resume cannot carry, naming the keys.
+wrote it, unless a run already went on from it to its last step (``spent``, `Saver.settle`).
+`check_resume` refuses, before any node starts, a checkpoint whose settings differ in what a
+resume cannot carry, naming the keys.
 
 A checkpoint is written into ``step<N>.tmp/`` and renamed when complete. If anything fails on
 the way (``ENOSPC``, a lost train node), the partial folder is removed, ``latest`` still names
