@@ -67,8 +67,7 @@ def save_rank_state(
     folder.mkdir(parents=True, exist_ok=True)
     params = trainable(model)
     names = {id(p): n for n, p in params}
-    tensors = {n: _local(p).detach().to("cpu", copy=True).contiguous() for n, p in params}
-    optim: dict[str, torch.Tensor] = {}
+    optim: dict[str, torch.Tensor] = {}  # this rank's local tensors, where they live
     scalars: dict[str, dict[str, Any]] = {}
     for p, state in optimizer.state.items():
         name = names.get(id(p))
@@ -76,7 +75,7 @@ def save_rank_state(
             continue
         for key, v in state.items():
             if isinstance(v, torch.Tensor):
-                optim[f"{name}/{key}"] = _local(v).detach().to("cpu", copy=True).contiguous()
+                optim[f"{name}/{key}"] = _local(v).detach()
             else:
                 scalars.setdefault(name, {})[key] = _json_value(v)
     groups = []
@@ -84,7 +83,8 @@ def save_rank_state(
         hyper = {k: _json_value(v) for k, v in g.items() if k != "params"}
         hyper["params"] = [names[id(p)] for p in g["params"] if id(p) in names]
         groups.append(hyper)
-    need = sum(t.numel() * t.element_size() for t in (*tensors.values(), *optim.values()))
+    local = {n: _local(p).detach() for n, p in params}
+    need = sum(t.numel() * t.element_size() for t in (*local.values(), *optim.values()))
     free = shutil.disk_usage(folder).free
     if free < need + 2**20:
         raise OSError(
@@ -92,8 +92,11 @@ def save_rank_state(
             f"no space left on device: rank {rank}'s recovery state needs {need:,} bytes and "
             f"{free:,} are free on the filesystem of {folder}",
         )
-    save_file(tensors, str(folder / f"params-rank{rank}.safetensors"))
-    save_file(optim, str(folder / f"optim-rank{rank}.safetensors"))
+    shapes = {n: [list(t.shape), str(t.dtype)] for n, t in local.items()}
+    # One file at a time, staged in host memory (no copy of what already lives there, as
+    # offloaded masters do): the peak is the larger file, not both.
+    for stem, tensors in (("params", local), ("optim", optim)):
+        save_file(_on_host(tensors), str(folder / f"{stem}-rank{rank}.safetensors"))
     rng = {"rng-rank": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["rng-cuda-rank"] = torch.cuda.get_rng_state()
@@ -103,7 +106,7 @@ def save_rank_state(
         "format": FORMAT,
         "rank": rank,
         "world_size": world_size,
-        "params": {n: [list(t.shape), str(t.dtype)] for n, t in tensors.items()},
+        "params": shapes,
         "optim_scalars": scalars,
         "param_groups": groups,
     }
@@ -111,6 +114,18 @@ def save_rank_state(
     for name in (f"params-rank{rank}.safetensors", f"optim-rank{rank}.safetensors"):
         _fsync_file(folder / name)
     return need
+
+
+def _on_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` in host memory, contiguous: device ones copied, host ones as they are
+    unless they are views into a larger buffer (safetensors refuses shared storage)."""
+    out = {}
+    for n, t in tensors.items():
+        t = t.cpu()
+        if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.contiguous().clone()
+        out[n] = t
+    return out
 
 
 def check_format(folder: str | Path, world_size: int | None = None, rank: int = 0) -> None:
