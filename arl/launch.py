@@ -7,7 +7,9 @@ directory is claimed (`arl.run_dir`: one run at a time, never mixed into a finis
 writable) before any process starts; the resolved config is saved as ``config.yaml`` in the run
 directory, and the run (`arl.run`) goes on under the restart supervisor (`arl.supervisor`), on
 the plan placed here. A user error ends as one ``error: ...`` line and exit
-status 2; SIGTERM stops the run as Ctrl-C does (exit 143, 130).
+status 2. A stop is a checkpoint: SIGTERM or a first Ctrl-C during training finishes the step,
+writes a recovery checkpoint and exits 143 (130), and the same command resumes from it
+(`arl.ckpt.stop`); a second signal, or ``recover.stop_grace_s``, ends the run without it.
 """
 
 import asyncio
@@ -19,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from arl.ckpt.stop import RunStopped, StopRequest, signal_name
 from arl.config import Config, ConfigError, apply_overrides, help_text, save_resolved, to_yaml
 from arl.control.memory import format_memory_plan
 from arl.control.placement import NodeSpec, detect_gpus, format_plan, plan_placement
@@ -134,13 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=cfg.experiment.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from arl.ckpt.recovery import ResumeRefused, check_resume, read_latest, resume_keys
     from arl.control.cluster import run_security
     from arl.engines.model import ModelResolutionError
     from arl.preflight import InputError, check_data, check_model
     from arl.run_dir import RunDirError, claim_run_dir, keep_previous
     from arl.supervisor import supervise
 
-    stop = _SigtermAsInterrupt()
+    signals = _StopSignals(cfg.recover.stop_grace_s)
     claim = None
     try:
         # Everything a user can get wrong is checked before any node starts or any file is
@@ -154,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         if claim.moved_to is not None:
             log.warning("experiment.overwrite: the earlier run was moved to %s", claim.moved_to)
         if claim.resume_step is not None:
+            # Refused here, as one line naming the keys, before any node starts.
+            n_train = sum(1 for n in plan if n.role == "train")
+            check_resume(read_latest(claim.path), resume_keys(cfg, n_train, data[0]))
             log.info("resuming %s from its step-%d checkpoint", claim.path, claim.resume_step)
         resolved = to_yaml(cfg)
         kept = keep_previous(cfg.run_path / "config.yaml", resolved)
@@ -161,54 +168,106 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("the config differs from the earlier run's; that one is kept as %s", kept)
         saved = save_resolved(cfg, cfg.run_path / "config.yaml")
         log.info("resolved config saved to %s (run id %s)", saved, claim.run_id)
-        return supervise(cfg, plan, claim.run_id, data)
-    except (ConfigError, DatasetError, RunDirError, InputError, ModelResolutionError) as e:
+        return supervise(cfg, plan, claim.run_id, data, signals.stop)
+    except (
+        ConfigError,
+        DatasetError,
+        RunDirError,
+        InputError,
+        ModelResolutionError,
+        ResumeRefused,
+    ) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RunStopped as e:
+        again = "; run the same command to resume from it" if e.path is not None else ""
+        print(f"{e}{again}", file=sys.stderr)
+        return e.exit_status
     except (KeyboardInterrupt, asyncio.CancelledError):
-        if not stop.received and not isinstance(sys.exc_info()[1], KeyboardInterrupt):
+        if signals.received is None and not isinstance(sys.exc_info()[1], KeyboardInterrupt):
             raise
         resume = ""
-        if cfg.recover.mode == "auto":
+        state = read_latest(cfg.run_path)
+        if state is not None and state.resumes(cfg.recover.mode, cfg.experiment.total_train_steps):
             resume = "; run the same command to resume from the last recovery checkpoint"
-        if stop.received:
-            print(f"stopped by SIGTERM: the run and its nodes were ended{resume}", file=sys.stderr)
+        signum = signals.received or signal.SIGINT
+        why = {
+            "second": " without a checkpoint (a second signal)",
+            "grace": " without a checkpoint: it was not written within "
+            f"recover.stop_grace_s={cfg.recover.stop_grace_s:g}s",
+        }.get(signals.cut, "")
+        if signum == signal.SIGTERM:
+            print(
+                f"stopped by SIGTERM: the run and its nodes were ended{why}{resume}",
+                file=sys.stderr,
+            )
             return 128 + signal.SIGTERM
-        print(f"interrupted{resume}", file=sys.stderr)
+        print(f"interrupted{why}{resume}", file=sys.stderr)
         return 130
     finally:
-        stop.restore()
+        signals.restore()
         if claim is not None:
             claim.release()
 
 
-class _SigtermAsInterrupt:
-    """SIGTERM (Slurm at a time limit, ``timeout``, systemd) stops the run the way Ctrl-C does:
-    the run is cancelled, its nodes are ended and its files closed, then `KeyboardInterrupt`."""
+class _StopSignals:
+    """SIGTERM (Slurm at a time limit or a preemption, ``timeout``, systemd) and Ctrl-C.
 
-    def __init__(self) -> None:
-        self.received = False
-        self._previous = signal.getsignal(signal.SIGTERM)
-        if self._previous is signal.SIG_DFL:  # leave a handler someone else installed alone
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+    During training the first one asks the trainer to stop with a checkpoint (`StopRequest`);
+    before training (nothing to save yet), on a second signal, or once ``grace_s`` passed, the
+    run is cancelled: its nodes are ended and its files closed, then `KeyboardInterrupt` (or
+    the run's `asyncio.CancelledError`); a third signal leaves at once. A handler someone else
+    installed is left alone, and so is an ignored SIGINT (a background job of a script: SIGTERM
+    still stops it).
+    """
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        self.received = True
-        handler = signal.getsignal(signal.SIGINT)
-        if callable(handler):
-            # asyncio's own SIGINT handler while the run is in its event loop (it cancels the
-            # run), else Python's default, which raises KeyboardInterrupt right here.
-            handler(signal.SIGINT, frame)
-        elif not cancel_running():
-            # SIGINT ignored (a background job of a script) and no loop running: stop here. In
-            # the loop, the run is cancelled instead: a KeyboardInterrupt raised inside it
-            # would end the loop before the run's teardown could end its nodes.
+    def __init__(self, grace_s: float) -> None:
+        self.received: int | None = None  # the first signal
+        self.cut = ""  # "second" or "grace": the run was ended without its checkpoint
+        self._count = 0  # signals received
+        self.stop = StopRequest(grace_s, on_expiry=self._grace_over)
+        self._installed = []
+        for signum, default in (
+            (signal.SIGTERM, signal.SIG_DFL),
+            (signal.SIGINT, signal.default_int_handler),
+        ):
+            if signal.getsignal(signum) is default:
+                signal.signal(signum, self._on_signal)
+                self._installed.append((signum, default))
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        first = self.received is None
+        if first:
+            self.received = signum
+        self._count += 1
+        if self._count > 2:  # the teardown itself is stuck: leave now (nodes get PDEATHSIG)
+            raise KeyboardInterrupt
+        if first and self.stop.request(signum):
+            print(
+                f"{signal_name(signum)}: stopping after this step with a recovery checkpoint "
+                "(signal again to end now without it)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        if not first and not self.stop.settled:  # settled: its checkpoint is already written
+            self.cut = "second"
+        self._end_now()
+
+    def _grace_over(self) -> None:
+        self.cut = "grace"
+        self._end_now()
+
+    def _end_now(self) -> None:
+        # In the loop the run is cancelled: a KeyboardInterrupt raised inside it would end the
+        # loop before the run's teardown could end its nodes.
+        if not cancel_running():
             raise KeyboardInterrupt
 
     def restore(self) -> None:
-        """Put the previous SIGTERM handler back."""
-        if self._previous is signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        """Put the previous handlers back."""
+        for signum, default in self._installed:
+            signal.signal(signum, default)
 
 
 if __name__ == "__main__":

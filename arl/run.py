@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from arl.ckpt.stop import StopRequest
 from arl.config import Config
 from arl.control.cluster import start_cluster
 from arl.control.placement import NodeSpec, place
@@ -23,10 +24,11 @@ async def run(
     *,
     run_id: str | None = None,
     data: tuple[list[dict], list[dict]] | None = None,
+    stop: StopRequest | None = None,
 ) -> None:
     """Run the whole experiment described by ``cfg`` on the nodes of ``plan``; metrics rows
     carry ``run_id``; ``data`` is `load_data`'s (train, eval) rows when the caller already
-    loaded them."""
+    loaded them; ``stop``, once requested, ends it with a checkpoint (`RunStopped`)."""
     t0 = time.monotonic()
     if plan is None:
         plan = place(cfg)
@@ -34,7 +36,7 @@ async def run(
     if data is None:
         data = await asyncio.get_running_loop().run_in_executor(None, load_data, cfg)
     async with start_cluster(cfg, plan) as cluster:
-        trainer = PPOTrainer(cfg, cluster, run_id=run_id)
+        trainer = PPOTrainer(cfg, cluster, run_id=run_id, stop=stop)
         try:
             await trainer.setup(data)
             await trainer.train()

@@ -6,8 +6,9 @@
    pid); a second run on the same directory is refused with the holder's host and pid. The
    kernel drops the lock when its process ends, however it ends, so a lock is never stale;
 2. looks for an earlier run's results (``metrics.jsonl`` rows, ``checkpoints/``, a recovery
-   checkpoint). With ``recover.mode=auto`` and a recovery checkpoint short of
-   ``experiment.total_train_steps`` the run resumes from it; with ``experiment.overwrite=true``
+   checkpoint). A recovery checkpoint short of ``experiment.total_train_steps`` that a stop
+   (SIGTERM, Ctrl-C) wrote, or any with ``recover.mode=auto``, is resumed from
+   (`arl.ckpt.recovery.RecoveryState.resumes`); with ``experiment.overwrite=true``
    the earlier files are moved aside to ``<trial>.replaced-<UTC time>/`` beside the run
    directory (never deleted); otherwise it refuses, saying how to resume, start a new trial, or
    replace it;
@@ -35,6 +36,7 @@ from typing import IO
 
 import attrs
 
+from arl.ckpt.recovery import read_latest
 from arl.config import Config
 
 LOCK_NAME = ".arl.lock"
@@ -77,17 +79,17 @@ def claim_run_dir(cfg: Config, run_id: str | None = None) -> RunClaim:
         claim = RunClaim(path, run_id, lock=lock)
         found = earlier_results(path)
         if found:
-            latest = _latest_step(path)
+            state = read_latest(path)
             if cfg.experiment.overwrite:
                 claim.moved_to = _move_aside(path)
-            elif (
-                cfg.recover.mode == "auto"
-                and latest is not None
-                and latest < cfg.experiment.total_train_steps
+            elif state is not None and state.resumes(
+                cfg.recover.mode, cfg.experiment.total_train_steps
             ):
-                claim.resume_step = latest
+                claim.resume_step = state.step
             else:
-                raise RunDirError(_finished_message(cfg, found, latest))
+                spent = state is not None and state.spent
+                latest = None if state is None else state.step
+                raise RunDirError(_finished_message(cfg, found, latest, spent))
         check_writable(cfg)
     except BaseException:
         lock.close()
@@ -156,20 +158,19 @@ def earlier_results(path: Path) -> list[str]:
 
 
 def _latest_step(path: Path) -> int | None:
-    pointer = path / "recover" / "latest"
-    try:
-        body = json.loads(
-            (path / "recover" / pointer.read_text().strip() / "state.json").read_text()
-        )
-        return int(body["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    state = read_latest(path)
+    return None if state is None else state.step
 
 
-def _finished_message(cfg: Config, found: list[str], latest: int | None) -> str:
+def _finished_message(cfg: Config, found: list[str], latest: int | None, spent: bool) -> str:
     path = cfg.run_path
     total = cfg.experiment.total_train_steps
-    if latest is None:
+    if spent:
+        resume = (
+            f"It ran to its last step after resuming; its step-{latest} recovery checkpoint is "
+            "older than that, so it cannot continue."
+        )
+    elif latest is None:
         resume = (
             "It cannot be resumed: it kept no recovery checkpoint (recover.mode=auto keeps one)."
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 
 from arl.ckpt.recovery import CheckpointError
+from arl.ckpt.stop import StopRequest
 from arl.config import Config
 from arl.control.controller import NodeLost, NodesNotStarted, RemoteError
 from arl.control.placement import NodeSpec
@@ -26,13 +27,15 @@ def supervise(
     plan: list[NodeSpec],
     run_id: str | None = None,
     data: tuple[list[dict], list[dict]] | None = None,
+    stop: StopRequest | None = None,
 ) -> int:
     """Run the experiment on ``plan``, restarting it when ``recover.mode=auto`` allows; returns
-    the exit status (0 done, 1 stopped by an error, which is printed)."""
+    the exit status (0 done, 1 stopped by an error, which is printed). A ``stop`` ends it with
+    a checkpoint: `arl.ckpt.stop.RunStopped` propagates, never restarted."""
     restarts = 0
     while True:
         try:
-            run_loop(run(cfg, plan, run_id=run_id, data=data))
+            run_loop(run(cfg, plan, run_id=run_id, data=data, stop=stop))
             return 0
         except (
             NodesNotStarted,
@@ -43,6 +46,10 @@ def supervise(
             CheckpointError,
         ) as e:
             # The cluster is down by now (every process of the attempt was ended).
+            if stop is not None and stop.requested:  # failed while stopping: never restarted
+                print(f"error: the run stopped: {_described(e)}", file=sys.stderr)
+                stop.done()
+                return 128 + stop.signum
             why_not = _why_not_restart(cfg, e, restarts)
             if why_not is not None:
                 print(f"error: the run stopped: {_described(e)}", file=sys.stderr)

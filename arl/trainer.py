@@ -11,6 +11,10 @@ Rollout runs all the time in the background (`RolloutController`); each training
    as do reference log-probs with KL;
 4. syncs weights into the rollout engines (pause -> transfer -> version + 1 -> resume);
 5. logs metrics, evaluates and checkpoints when due, and frees the step's shards everywhere.
+
+A stop (`arl.ckpt.stop.StopRequest`: SIGTERM, a first Ctrl-C) ends the loop after the step in
+progress (a wait for a batch is abandoned), writes a recovery checkpoint and raises
+`RunStopped`; `setup` resumes from such a checkpoint, or from any with ``recover.mode=auto``.
 """
 
 from __future__ import annotations
@@ -25,7 +29,14 @@ from typing import Any
 
 import attrs
 
-from arl.ckpt.recovery import RecoveryState, Saver
+from arl.ckpt.recovery import (
+    RecoveryState,
+    Saver,
+    check_resume,
+    checkpoint_due,
+    resume_keys,
+)
+from arl.ckpt.stop import RunStopped, StopRequest, signal_name
 from arl.config import Config
 from arl.control.cluster import Cluster
 from arl.control.controller import NodeLost, RemoteObject
@@ -141,8 +152,19 @@ async def call_all(
 class PPOTrainer:
     """Composes rollout, training, weight sync, metrics and checkpoints into one loop."""
 
-    def __init__(self, cfg: Config, cluster: Cluster, run_id: str | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        cluster: Cluster,
+        run_id: str | None = None,
+        stop: StopRequest | None = None,
+    ):
         self.cfg, self.cluster = cfg, cluster
+        self.stop = stop  # a stop asked for by a signal: checkpoint and end (`_stop`)
+        self._carry: dict = {}  # `resume_keys` of this run, recorded in every checkpoint
+        self._step_state: dict | None = None  # rollout.state_dict() at the last step's end
+        self._last_save = 0.0  # monotonic time of the last recovery checkpoint (or the start)
+        self._save_s: float | None = None  # the last checkpoint's seconds, for the next row
         self.version = 0
         self.step = 0
         self.resumed_from: int | None = None  # the recovery checkpoint's step, when resumed
@@ -174,6 +196,16 @@ class PPOTrainer:
         if data is None:
             data = await loop.run_in_executor(None, load_data, cfg)
         rows, self.eval_rows = data
+        # Hashing the rows' ids takes a while for a large dataset: off the event loop.
+        n_train = len(self.cluster.train)
+        self._carry = await loop.run_in_executor(None, resume_keys, cfg, n_train, rows)
+        state = self.saver.latest()
+        if state is not None and not state.resumes(
+            cfg.recover.mode, cfg.experiment.total_train_steps
+        ):
+            state = None
+        if state is not None:  # the launcher checked this before any node started
+            await loop.run_in_executor(None, check_resume, state, self._carry)
         await asyncio.gather(
             self._start_rollout_workers(model_path), self._start_train_workers(model_path)
         )
@@ -209,7 +241,6 @@ class PPOTrainer:
         if cfg.weight_sync.verify:
             # Before any sync, a recovery's included: both sides hold the model's weights.
             await self._measure_probe_floor()
-        state = self.saver.latest() if cfg.recover.mode == "auto" else None
         if state is not None:
             await self._restore(state)
         gc.freeze()  # the imports' long-lived objects: full collections would stall the loop
@@ -329,6 +360,11 @@ class PPOTrainer:
             if not warm.done():
                 warm.cancel()
             await asyncio.gather(warm, return_exceptions=True)
+        if self.stop is not None and self.stop.requested:
+            if self.step < total:
+                await self._stop()
+            self.stop.done()  # it came with the last step: the run is complete
+        self.saver.settle(self.step)  # an older checkpoint is spent: never resumed again
         if cfg.saver.hf_export:
             await self.save_hf()
 
@@ -351,9 +387,17 @@ class PPOTrainer:
 
     async def _loop(self, total: int, warm: asyncio.Future) -> None:
         cfg = self.cfg
-        while self.step < total:
+        if self.stop is not None:
+            self.stop.arm()
+        self._last_save = time.monotonic()
+        while self.step < total and not (self.stop is not None and self.stop.requested):
             t0 = time.monotonic()
-            batch, infos = await self.rollout.prepare_batch(cfg.data.batch_size, self.version)
+            got = await self._unless_stopped(
+                self.rollout.prepare_batch(cfg.data.batch_size, self.version)
+            )
+            if got is None:  # stopped while waiting for the batch: nothing of it was trained
+                return
+            batch, infos = got
             await warm  # done after the first step
             t_rollout = time.monotonic() - t0
             try:
@@ -385,6 +429,9 @@ class PPOTrainer:
                 }
             )
             metrics.update(await self._node_gauges())
+            if self._save_s is not None:  # the recovery checkpoint written after the last row
+                metrics["ckpt/save_s"], self._save_s = self._save_s, None
+            self._step_state = self.rollout.state_dict()
             self._trace_step(t0, t0 + t_rollout, t1, t2)
             if cfg.evaluator.due(self.step, total):
                 self.last_eval = (self.step, await self.evaluate())
@@ -396,8 +443,53 @@ class PPOTrainer:
             self._update_progress(metrics)
             if cfg.saver.freq_steps and self.step % cfg.saver.freq_steps == 0:
                 await self.save_hf()
-            if cfg.recover.mode == "auto" and self.step % cfg.recover.freq_steps == 0:
+            since = time.monotonic() - self._last_save
+            rc = cfg.recover
+            due = checkpoint_due(self.step, since, rc.freq_steps, rc.freq_secs)
+            if rc.mode == "auto" and (due or self.step == total):  # the last: to train further
                 await self.save_recovery()
+
+    async def _unless_stopped(self, aw: Any) -> Any:
+        """``aw``'s result, or None when a stop is asked for first (``aw`` is cancelled)."""
+        task = asyncio.ensure_future(aw)
+        if self.stop is None:
+            return await task
+        stopped = asyncio.ensure_future(self.stop.wait())
+        try:
+            await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not task.done():
+                task.cancel()
+            await asyncio.gather(task, stopped, return_exceptions=True)
+        return None if task.cancelled() else task.result()
+
+    async def _stop(self) -> None:
+        """Write the stop's recovery checkpoint (unless the step already has one) and raise
+        `RunStopped` saying where and how long it took."""
+        stop = self.stop
+        how = signal_name(stop.signum)
+        latest = self.saver.latest()
+        path, seconds = None, 0.0
+        if self.step == 0:
+            note = f"stopped by {how} before the first step finished: there was nothing to save"
+        elif latest is not None and latest.step == self.step:
+            path = latest.path
+            note = f"stopped by {how} after step {self.step}; its checkpoint is {path}"
+        else:
+            print(
+                f"stopping ({how}): writing the recovery checkpoint of step {self.step} "
+                f"(within recover.stop_grace_s={self.cfg.recover.stop_grace_s:g}s; a second "
+                "signal ends the run without it)",
+                flush=True,
+            )
+            path, seconds = await self.save_recovery(stopped=True)
+            note = (
+                f"stopped by {how} after step {self.step}: the recovery checkpoint was written "
+                f"to {path} in {seconds:.1f} s"
+            )
+        stop.done()
+        raise RunStopped(stop.signum, self.step, path, seconds, note)
 
     def _gpu_turn(self) -> contextlib.AbstractAsyncContextManager:
         """The engines on a train rank's GPU while it trains and syncs: ``alternate`` pauses
@@ -573,15 +665,35 @@ class PPOTrainer:
         await self.ranks.save_hf(str(path), self.cfg.saver.lora_merged)
         return path
 
-    async def save_recovery(self) -> None:
-        """Model/optimizer (DCP) plus loop state, written atomically."""
+    async def save_recovery(self, stopped: bool = False) -> tuple[Path, float]:
+        """The train ranks' state (data only: `arl.ckpt.rank_state`) plus the loop state at the
+        end of the last step, written atomically; returns (its folder, seconds it took)."""
+        t0 = time.monotonic()
+        rollout = self._step_state if self._step_state is not None else self.rollout.state_dict()
         state = RecoveryState(
-            step=self.step, version=self.version, rollout=self.rollout.state_dict()
+            step=self.step,
+            version=self.version,
+            rollout=rollout,
+            stopped=stopped,
+            carry=self._carry,
         )
         async with self.saver.write(state) as path:
-            await self.ranks.save_state(str(path / "model"))
+            nbytes = sum(await self.ranks.save_state(str(path / "model")))
+        seconds = time.monotonic() - t0
+        self._last_save, self._save_s = time.monotonic(), seconds
+        final = self.saver.root / f"step{self.step}"
+        log.info(
+            "recovery checkpoint of step %d: %.1f MiB in %.1f s -> %s",
+            self.step,
+            nbytes / 2**20,
+            seconds,
+            final,
+        )
+        return final, seconds
 
     async def _restore(self, state: RecoveryState) -> None:
+        how = "a stop's checkpoint" if state.stopped else "its recovery checkpoint"
+        print(f"resuming from step {state.step} ({how}: {state.path})", flush=True)
         log.warning("recovering from step %d (version %d)", state.step, state.version)
         await self.ranks.load_state(str(state.path / "model"), state.step)
         self.step, self.version = state.step, state.version

@@ -391,15 +391,27 @@ class SaverConfig:
 
 @attrs.define(kw_only=True)
 class RecoverConfig:
-    """Recovery checkpoints for resuming a run."""
+    """Recovery checkpoints for resuming a run (a stop writes one whatever the mode)."""
 
     mode: Literal["disabled", "auto"] = _f(
         "disabled",
-        "auto: checkpoint every freq_steps, resume from the last checkpoint at start, and restart "
-        "the run from it when a node is lost or hangs (up to retries times)",
+        "auto: checkpoint every freq_steps or freq_secs, resume from the last checkpoint at "
+        "start, and restart the run from it when a node is lost or hangs (up to retries times)",
     )
-    freq_steps: int = _f(1, "write a recovery checkpoint every this many steps")
+    freq_steps: int | None = _f(
+        None, "auto: write a recovery checkpoint every this many steps (none: by time only)"
+    )
+    freq_secs: float | None = _f(
+        600.0,
+        "auto: write a recovery checkpoint once this many seconds passed since the last "
+        "(none: by steps only)",
+    )
     retries: int = _f(3, "auto: restarts after a lost or hung node before the launcher gives up")
+    stop_grace_s: float = _f(
+        60.0,
+        "on SIGTERM or a first Ctrl-C: seconds to finish the step and write the stop's "
+        "checkpoint before the run is ended without it (size Slurm's --signal=TERM@N above it)",
+    )
 
 
 @attrs.define(kw_only=True)

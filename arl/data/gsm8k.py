@@ -65,6 +65,8 @@ def load_gsm8k(
     if local.is_dir():
         file = local / f"{split}.jsonl"
         if not file.is_file():
+            if file.exists() or file.is_symlink():  # there, but not a file that can be read
+                raise DatasetError(f"{file} {_not_regular(file)}; a split must be a regular file")
             found = sorted(p.stem for p in local.glob("*.jsonl"))
             raise DatasetError(f"no {file.name} in {local} (splits there: {found or 'none'})")
         # Undecodable bytes become a bad row of their own line, not an error for the whole file.
@@ -73,6 +75,26 @@ def load_gsm8k(
     if local.exists():
         raise DatasetError(f"{path} is a file; pass the directory that holds {split}.jsonl")
     return _validate(_hub_records(path, split), f"hub:{path}[{split}]", on_bad_row)
+
+
+def _not_regular(file: Path) -> str:
+    """What ``file`` is instead of a regular file: a FIFO, a device, a folder, a dead link."""
+    import stat
+
+    link = f"is a link to {os.readlink(file)}, which " if file.is_symlink() else ""
+    try:
+        mode = file.stat().st_mode
+    except OSError as e:
+        return f"{link or 'is a link that '}cannot be followed ({e.strerror})"
+    kinds = [
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a folder"),
+    ]
+    kind = next((name for test, name in kinds if test(mode)), "not a regular file")
+    return f"{link or 'is '}{'is ' if link else ''}{kind}"
 
 
 def _jsonl_records(lines: Iterable[str]) -> Iterable[tuple[int, Any]]:

@@ -267,34 +267,23 @@ class TrainWorker:
         return torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0].tolist()
 
     # ---- recovery ---------------------------------------------------------------------------
-    def save_state(self, path: str) -> None:
-        """Model and optimizer state through torch.distributed.checkpoint (sharded)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+    def save_state(self, path: str) -> int:
+        """This rank's trainable parameters, optimizer state and RNG states into ``path``, as
+        data only (`arl.ckpt.rank_state`: safetensors, JSON, raw bytes); returns the bytes."""
+        from arl.ckpt.rank_state import save_rank_state
 
-        model_sd, optim_sd = get_state_dict(self.engine.model, self.engine.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-        Path(path, f"rng-{self.rank}.pt").write_bytes(_rng_bytes())
+        e = self.engine
+        return save_rank_state(path, self.rank, e.world_size, e.model, e.optimizer)
 
     def load_state(self, path: str, step: int) -> None:
-        """Restore what `save_state` wrote and the optimizer step counter."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        """Restore what `save_state` wrote (in place: parameter tensors are never replaced),
+        the optimizer step counter, and the forward copy's weights."""
+        from arl.ckpt.rank_state import load_rank_state
 
-        model_sd, optim_sd = get_state_dict(self.engine.model, self.engine.optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=path)
-        set_state_dict(
-            self.engine.model,
-            self.engine.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-        )
-        self.engine.set_step(step)
-        self.engine.sync_forward_weights()
-        rng = Path(path, f"rng-{self.rank}.pt")
-        if rng.exists():
-            torch.set_rng_state(torch.frombuffer(bytearray(rng.read_bytes()), dtype=torch.uint8))
+        e = self.engine
+        load_rank_state(path, self.rank, e.world_size, e.model, e.optimizer)
+        e.set_step(step)
+        e.sync_forward_weights()
 
     def get_step(self) -> int:
         """Optimizer steps taken."""
@@ -332,7 +321,3 @@ def profile_summary(prof: Any, window_s: float) -> dict:
         "device_mallocs": counts.get("cudaMalloc", 0),
         "top_counts": dict(sorted(counts.items(), key=lambda kv: -kv[1])[:25]),
     }
-
-
-def _rng_bytes() -> bytes:
-    return torch.get_rng_state().numpy().tobytes()

@@ -77,8 +77,8 @@ class TrainWorkerAPI(Protocol):
         merged model under ``merged/``)."""
         ...
 
-    def save_state(self, path: str) -> None:
-        """Model and optimizer state (DCP) under ``path``."""
+    def save_state(self, path: str) -> int:
+        """Trainable weights, optimizer and RNG state under ``path`` (data only); bytes."""
         ...
 
     def load_state(self, path: str, step: int) -> None:
@@ -215,9 +215,9 @@ class TrainRanks:
         """Export the policy under ``path`` (``merged``: with LoRA, also the merged model)."""
         await self.call("save_hf", self._same(path, merged))
 
-    async def save_state(self, path: str) -> None:
-        """Save model and optimizer state under ``path``."""
-        await self.call("save_state", self._same(path))
+    async def save_state(self, path: str) -> list[int]:
+        """Every rank saves its state under ``path``; the bytes each wrote."""
+        return [int(n) for n in await self.call("save_state", self._same(path))]
 
     async def load_state(self, path: str, step: int) -> None:
         """Restore the state saved under ``path`` at ``step``."""

@@ -105,3 +105,5 @@ def test_killed_launcher_resumes_at_next_step_with_same_batches(tmp_path, tiny_m
     # fresh counters would have allowed 2 * B more.
     assert resumed[3]["rollout/submitted"] <= (ETA + 3 + 1) * B - 2 * B
     assert resumed[3]["version"] == 3
+    # Each checkpoint's seconds reach the next step's row (recover.freq_steps=1: every step).
+    assert resumed[4]["ckpt/save_s"] > 0

@@ -20,16 +20,16 @@ def _cfg(tmp_path, *overrides: str) -> Config:
     )
 
 
-def _finished(cfg: Config, rows: int = 2, checkpoint: int | None = None) -> None:
+def _finished(cfg: Config, rows: int = 2, checkpoint: int | None = None, **state) -> None:
     """Leave in cfg.run_path what a finished run leaves: metrics rows, an HF export, and (with
-    ``checkpoint``) a recovery checkpoint of that step."""
+    ``checkpoint``) a recovery checkpoint of that step (``state``: more of its state.json)."""
     root = cfg.run_path
     (root / "checkpoints" / f"step{rows}").mkdir(parents=True)
     (root / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(1, rows + 1)))
     if checkpoint is not None:
         step = root / "recover" / f"step{checkpoint}"
         step.mkdir(parents=True)
-        (step / "state.json").write_text(json.dumps({"step": checkpoint}))
+        (step / "state.json").write_text(json.dumps({"step": checkpoint, **state}))
         (root / "recover" / "latest").write_text(step.name)
 
 
@@ -100,6 +100,21 @@ def test_recover_auto_resumes_an_unfinished_run(tmp_path):
     assert claim.resume_step == 2 and claim.moved_to is None
     assert (cfg.run_path / "metrics.jsonl").read_text().count("step") == 2
     claim.release()
+
+
+def test_a_stop_checkpoint_resumes_without_recover_auto(tmp_path):
+    cfg = _cfg(tmp_path, "experiment.total_train_steps=6")
+    _finished(cfg, rows=2, checkpoint=2, stopped=True)
+    claim = claim_run_dir(cfg)  # the same command again, as a Slurm requeue runs it
+    assert claim.resume_step == 2
+    claim.release()
+
+
+def test_a_spent_stop_checkpoint_is_not_resumed_again(tmp_path):
+    cfg = _cfg(tmp_path, "experiment.total_train_steps=6")
+    _finished(cfg, rows=6, checkpoint=2, stopped=True, spent=True)
+    with pytest.raises(RunDirError, match="its step-2 recovery checkpoint is older than that"):
+        claim_run_dir(cfg)
 
 
 def test_overwrite_moves_the_earlier_run_aside(tmp_path):
