@@ -22,8 +22,9 @@ reserve          2 GB per process: CUDA context with torch's kernels (~0.5-1 GB)
 
 ``actor.offload=optimizer`` moves the fp32 masters, the optimizer state and the gradients'
 fp32 sums to host memory (`arl.train.offload`): one rank keeps its 16-bit forward copy and,
-during the train phase only, its gradients on the GPU; the host holds 4P + 4P + 8P (and two
-0.27 GB staging buckets, not counted). ``rollout.gpu_sharing=sleep`` frees an engine's KV
+during the train phase only, its gradients on the GPU; the host holds 4P + 8P and the
+gradients of at most two 1 GiB chunks, streamed through the optimizer step (and two 0.27 GB
+staging buckets, not counted). ``rollout.gpu_sharing=sleep`` frees an engine's KV
 cache (and for a full fine-tune its weights) while the ranks train, so a shared GPU's peak is
 the larger of the rollout and train phases instead of their sum. A GPU fits when its peak is within
 ``cluster.gpu_memory_gb`` (none: the device's total as torch reports it, or 80 GB assumed
@@ -47,6 +48,9 @@ from arl.train.activations import activation_bytes_per_token
 if TYPE_CHECKING:
     from arl.control.placement import NodeSpec
 
+# Elements of one chunk of `arl.train.offload`'s streamed optimizer step (kept in step with it;
+# this module imports no torch).
+_OFFLOAD_CHUNK = 1 << 28
 GB = 1e9
 ASSUMED_GPU_GB = 80.0
 PROCESS_RESERVE = int(2 * GB)
@@ -401,9 +405,10 @@ def _trainer_parts(
         gathered = 2 * c * shape.layer_params()
         parts.append(Part(name="gathered layers (FSDP)", gpu=gathered, phases=TRAIN))
     if one_rank and offload:
-        # The fp32 sums and the copy's gradients on the GPU for the train phase; the sums go
-        # to the host once per optimizer step.
-        parts.append(Part(name="gradients", gpu=4 * p + c * p, host=4 * p, phases=TRAIN))
+        # The fp32 sums and the copy's gradients on the GPU for the train phase; the step
+        # streams the sums to the host two 1 GiB chunks at a time (`arl.train.offload`).
+        host = min(4 * p, 2 * 4 * _OFFLOAD_CHUNK)
+        parts.append(Part(name="gradients", gpu=4 * p + c * p, host=host, phases=TRAIN))
     elif offload:
         parts.append(Part(name="gradients", gpu=0, host=4 * t // w, phases=TRAIN))
     else:

@@ -201,3 +201,10 @@ def test_offloaded_masters_and_gradients_are_pinned_host_memory():
     off = HostMasterWeights(master, torch.bfloat16, torch.device("cuda"))
     assert all(m.is_pinned() and f.is_cuda for m, f in off.pairs)
     assert all(b.is_pinned() for b in off._host_grads + off._buckets)
+
+
+def test_the_memory_plan_counts_the_chunk_the_step_streams():
+    from arl.control import memory
+    from arl.train import offload
+
+    assert memory._OFFLOAD_CHUNK == offload._CHUNK
