@@ -264,6 +264,15 @@ def validation_problems(cfg: Config) -> list[str]:
     check("actor.kl_ctl", a.kl_ctl >= 0, "must be >= 0")
     within("actor.discount", 0.0, 1.0)
     within("actor.gae_lambda", 0.0, 1.0)
+    check("actor.lora.rank", a.lora.rank >= 0, "must be >= 0 (0: no LoRA)")
+    if a.lora.rank > 0:
+        positive("actor.lora.alpha")
+        check("actor.lora.dropout", 0 <= a.lora.dropout < 1, "must be in [0, 1)")
+        check(
+            "actor.lora.target_modules",
+            bool(a.lora.target_modules) and all(a.lora.target_modules),
+            "needs module names (q_proj, ...) or all-linear",
+        )
     check(
         "actor.offload",
         a.offload == "none" or a.lora.rank == 0,

@@ -248,6 +248,10 @@ def test_parse_backend_role_restricts_engines():
         (["evaluator.max_questions=0"], "evaluator.max_questions=0: must be > 0"),
         (["cluster.n_gpus=-1"], "cluster.n_gpus=-1"),
         (["rollout.mps_engine_percent=30"], "rollout.mps_engine_percent=30: must be in [50, 100]"),
+        (["actor.lora.rank=-1"], "actor.lora.rank=-1: must be >= 0"),
+        (["actor.lora.rank=8", "actor.lora.alpha=0"], "actor.lora.alpha=0.0: must be > 0"),
+        (["actor.lora.rank=8", "actor.lora.dropout=1"], "actor.lora.dropout=1.0: must be in"),
+        (["actor.lora.rank=8", "actor.lora.target_modules=[]"], "needs module names"),
         (
             ["rollout.gpu_sharing=mps", "cluster.launcher=slurm"],
             "only cluster.launcher=local starts the nodes (here 'slurm')",
