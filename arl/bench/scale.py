@@ -3,8 +3,10 @@
 Builds a model with random weights at a Qwen2.5 shape (``--shape q1p5b``, ``q3b``, ``q7b``;
 ``tiny`` for a CPU smoke test) with the default model's tokenizer and no EOS, so every sample
 runs to its token budget, then runs the gsm8k-shaped step on it (64 prompt groups x 4 samples,
-``gconfig.max_new_tokens`` 512; prompts from the arith loader, whose rewards do not matter
-here) for ``--steps`` steps, full fine-tune or ``--lora RANK``. It prints, beside floors
+``gconfig.max_new_tokens`` 512, arith prompts) for ``--steps`` steps, full fine-tune or
+``--lora RANK``. Rewards come from `text_hash_reward`: random text scores 0 on arith, which
+would zero every advantage and gradient; hashed rewards are mixed, so the update moves the
+weights as a real run's does. It prints, beside floors
 measured in the same run:
 
 - step time (mean over steps 3..N: what a user waits for; the median beside it);
@@ -35,6 +37,7 @@ import statistics
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +81,14 @@ SHAPES: dict[str, dict[str, Any]] = {
         tie_word_embeddings=True,
     ),
 }
+
+
+async def text_hash_reward(completion: str, data: dict[str, Any]) -> float:
+    """0 or 1 from a hash of the completion's text. A random model's completions all score 0
+    on arith, which zeroes GRPO's advantages and every gradient; hashed, a group's rewards are
+    mixed, so the update moves the weights as a real run's does, at no scoring cost."""
+    return float(zlib.crc32(completion.encode()) & 1)
+
 
 # The gsm8k recipe's step shape; the CPU smoke test shrinks it (`CPU_SHAPE`).
 GSM8K_SHAPE = ["data.batch_size=64", "gconfig.n_samples=4", "gconfig.max_new_tokens=512"]
@@ -245,7 +256,14 @@ def main(argv: list[str] | None = None) -> int:
         "recipes/arith.py",
         a.steps,
         a.run_dir,
-        [f"actor.path={model}", *shape, "evaluator.freq_steps=none", *lora, *a.overrides],
+        [
+            f"actor.path={model}",
+            *shape,
+            "evaluator.freq_steps=none",
+            "rollout.reward=arl.bench.scale:text_hash_reward",
+            *lora,
+            *a.overrides,
+        ],
     )
     floors = measure_floors(device)
     fresh_run_dir(cfg.run_path)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
-from arl.bench.scale import SHAPES, build_random_model, scale_figures
+from arl.bench.scale import SHAPES, build_random_model, scale_figures, text_hash_reward
 
 
 def test_the_random_model_has_the_shape_the_tokenizer_and_no_eos(tmp_path):
@@ -50,3 +51,10 @@ def test_figures_are_means_over_steps_three_on_and_mfu_is_six_n_tokens_over_peak
     assert f["sync_bytes"] == 8.0 and f["sync_share_of_full"] == pytest.approx(
         8.0 / f["full_weight_bytes"]
     )
+
+
+def test_random_text_gets_mixed_rewards_so_the_update_has_gradients():
+    texts = [f"completion {i}" for i in range(64)]
+    rewards = [asyncio.run(text_hash_reward(t, {})) for t in texts]
+    assert set(rewards) == {0.0, 1.0}
+    assert asyncio.run(text_hash_reward(texts[0], {})) == rewards[0]  # deterministic
