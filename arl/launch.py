@@ -38,7 +38,11 @@ usage: python -m arl.launch RECIPE [key=value ...] [--dry-run] [--help]
   key=value   override a config field (before or after RECIPE), e.g. actor.lr=1e-5
               rollout.backend=sglang:d2; lists: cluster.srun_args=[a,b]; optional fields:
               evaluator.freq_steps=none
-  --dry-run   print the resolved config and the placement plan, then exit
+  --dry-run   print the resolved config, the placement plan and the memory plan (what each
+              GPU holds: engine weights, KV cache, trainer weights, gradients, optimizer,
+              activations; host bytes with actor.offload=optimizer), then exit. A plan that
+              cannot fit is refused, with or without --dry-run, naming the least change that
+              fits (rollout.gpu_sharing=sleep, actor.offload=optimizer, actor.lora.rank=16)
   --help      print this text and every config field (with RECIPE: the recipe's values)
 """
 

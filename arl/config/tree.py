@@ -270,9 +270,10 @@ class ActorConfig:
     )
     offload: Literal["none", "optimizer"] = _f(
         "none",
-        "optimizer: the fp32 master weights, gradients' fp32 sums and AdamW state live in host "
-        "memory and the optimizer steps on the CPU (a full fine-tune that does not fit the GPU "
-        "beside its engine); the GPU keeps the compute-dtype weights",
+        "optimizer: the fp32 master weights and AdamW state live in host memory and the "
+        "optimizer steps on the CPU, the gradients streamed there in 1 GiB chunks (a full "
+        "fine-tune that does not fit the GPU beside its engine); the GPU keeps the "
+        "compute-dtype weights",
     )
     eps_clip: float = _f(0.4, "PPO clip range of the ratio (1 - eps, 1 + eps)")
     eps_clip_higher: float | None = _f(None, "upper clip range (none: eps_clip)")
