@@ -76,6 +76,22 @@ def _rows(run_dir: Path) -> list[dict]:
     return read_jsonl(path) if path.exists() else []
 
 
+def _signal_after_step(cmd: list[str], run_dir: Path, step: int, signum: int) -> tuple[int, str]:
+    """Start ``cmd``, send ``signum`` once ``step`` steps are logged; (exit status, stderr)."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while len(_rows(run_dir)) < step:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, f"no step {step} in time"
+            time.sleep(0.05)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    return proc.returncode, err
+
+
 def test_sigterm_saves_and_the_same_command_resumes_on_the_same_data(tmp_path, tiny_model):
     ref = _run(tmp_path / "ref", tiny_model)
     assert ref.returncode == 0, ref.stderr[-3000:]
@@ -83,20 +99,8 @@ def test_sigterm_saves_and_the_same_command_resumes_on_the_same_data(tmp_path, t
     assert len(want) == STEPS
 
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        _command(run_dir, tiny_model), cwd=REPO, env=ENV, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        deadline = time.monotonic() + 600
-        while len(_rows(run_dir)) < 2:
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            assert time.monotonic() < deadline, "no step 2 in time"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    returncode, err = _signal_after_step(_command(run_dir, tiny_model), run_dir, 2, signal.SIGTERM)
+    assert returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     recover = run_dir / "stop" / "trial0" / "recover"
     state = json.loads((recover / (recover / "latest").read_text() / "state.json").read_text())
@@ -134,24 +138,9 @@ def test_sigterm_saves_and_the_same_command_resumes_on_the_same_data(tmp_path, t
 
 def test_a_first_ctrl_c_is_a_stop_too(tmp_path, tiny_model):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        _command(run_dir, tiny_model, "experiment.total_train_steps=50"),
-        cwd=REPO,
-        env=ENV,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 600
-        while not _rows(run_dir):
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            assert time.monotonic() < deadline, "no step 1 in time"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, err[-3000:]
+    cmd = _command(run_dir, tiny_model, "experiment.total_train_steps=50")
+    returncode, err = _signal_after_step(cmd, run_dir, 1, signal.SIGINT)
+    assert returncode == 130, err[-3000:]
     assert "Ctrl-C: stopping after this step with a recovery checkpoint" in err, err[-3000:]
     assert "stopped by Ctrl-C after step " in err and "Traceback" not in err, err[-3000:]
     recover = run_dir / "stop" / "trial0" / "recover"
@@ -168,20 +157,10 @@ def test_a_first_ctrl_c_is_a_stop_too(tmp_path, tiny_model):
 def test_a_stop_past_its_grace_period_ends_without_the_checkpoint(tmp_path, tiny_model):
     run_dir = tmp_path / "run"
     cmd = _command(run_dir, tiny_model, "experiment.total_train_steps=50")
-    proc = subprocess.Popen(
-        [*cmd, "recover.stop_grace_s=0.001"], cwd=REPO, env=ENV, stderr=subprocess.PIPE, text=True
+    returncode, err = _signal_after_step(
+        [*cmd, "recover.stop_grace_s=0.001"], run_dir, 1, signal.SIGTERM
     )
-    try:
-        deadline = time.monotonic() + 600
-        while not _rows(run_dir):
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            assert time.monotonic() < deadline, "no step 1 in time"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert returncode == 128 + signal.SIGTERM, err[-3000:]
     assert (
         "stopped by SIGTERM: the run and its nodes were ended without a checkpoint: it was not "
         "written within recover.stop_grace_s=0.001s" in err
