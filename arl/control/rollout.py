@@ -154,6 +154,11 @@ class RolloutController:
         while True:
             await asyncio.sleep(min(self.stall_log_s / 4, 5.0))
             now = time.monotonic()
+            if self._held and len(self._held) == len(self.workers):
+                # Every engine is held for a train phase (asleep, under gpu_sharing=sleep): no
+                # group can finish, by design. Quiet counts again from the release.
+                self._last_finish = now
+                continue
             quiet = now - self._last_finish
             if not self._running or quiet < self.stall_log_s or now - logged < self.stall_log_s:
                 continue

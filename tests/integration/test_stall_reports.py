@@ -83,13 +83,25 @@ def test_a_reward_that_never_returns_is_logged_with_its_groups_and_node(tiny_mod
                 deadline = time.monotonic() + 120
                 while not stall_lines() and time.monotonic() < deadline:
                     await asyncio.sleep(0.2)
+                # While every engine is held for a train phase (asleep, under
+                # rollout.gpu_sharing=sleep) no group can finish, by design: no stall line then,
+                # and the stuck groups are reported again stall_log_s after the release.
+                logged = len(stall_lines())
+                async with rollout.held([0]):
+                    await asyncio.sleep(2.5)
+                    held = stall_lines()[logged:]
+                deadline = time.monotonic() + 60
+                while len(stall_lines()) == logged and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
             finally:
                 await rollout.stop()
-            return node.node_id
+            return node.node_id, held, logged
 
-    node_id = asyncio.run(main())
+    node_id, held, logged = asyncio.run(main())
     lines = stall_lines()
     assert lines, "no stall line was logged"
+    assert held == [], held
+    assert len(lines) > logged, "the groups still stuck after the release were not reported"
     assert "(rollout.stall_log_s=1); 2 in flight: g0 on " + node_id + " for " in lines[0]
     assert f"g1 on {node_id} for " in lines[0]
 
