@@ -383,11 +383,20 @@ class WeightSyncConfig:
 class SaverConfig:
     """Model checkpoints for use outside arl."""
 
-    freq_steps: int | None = _f(None, "save every this many steps (none: only at the end)")
-    hf_export: bool = _f(True, "save in Hugging Face format (save_pretrained)")
+    freq_steps: int | None = _f(
+        None, "with hf_export: also save every this many steps (none: only at the end)"
+    )
+    hf_export: bool = _f(
+        True, "save the model in Hugging Face format (save_pretrained) at the end of the run"
+    )
     lora_merged: bool = _f(
         False, "with LoRA: also export the merged model (base + adapter) beside the adapter"
     )
+
+    def due(self, step: int) -> bool:
+        """Whether to export after ``step`` besides the end: every ``freq_steps`` steps, and
+        only with ``hf_export`` (false exports nothing)."""
+        return self.hf_export and bool(self.freq_steps) and step % self.freq_steps == 0
 
 
 @attrs.define(kw_only=True)
