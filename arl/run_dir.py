@@ -231,7 +231,7 @@ def run_outputs(cfg: Config) -> list[tuple[Path, str, str]]:
     """The folders a run writes: (path, what goes there, the setting that asks for it)."""
     root = cfg.run_path
     out = [(root, "config.yaml, metrics.jsonl and trace.json", "experiment.run_dir")]
-    if cfg.saver.hf_export or cfg.saver.freq_steps:
+    if cfg.saver.hf_export:
         out.append((root / "checkpoints", "the trained model", "saver.hf_export=false"))
     if cfg.recover.mode == "auto":
         out.append((root / "recover", "recovery checkpoints", "recover.mode=disabled"))

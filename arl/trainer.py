@@ -441,7 +441,7 @@ class PPOTrainer:
             # recovery rather than losing it.
             self.stats.log(self.step, metrics)
             self._update_progress(metrics)
-            if cfg.saver.freq_steps and self.step % cfg.saver.freq_steps == 0:
+            if cfg.saver.due(self.step):
                 await self.save_hf()
             since = time.monotonic() - self._last_save
             rc = cfg.recover

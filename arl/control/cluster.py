@@ -24,6 +24,7 @@ from arl.control.launcher import LocalNodes, SlurmNodes
 from arl.control.mps import MpsDaemon, control_binary, mps_node_env
 from arl.control.placement import NodeSpec, check_node_count, shares_gpu
 from arl.control.ray_launcher import RayNodes
+from arl.protocol.node_config import NodeConfig
 from arl.wire.addresses import is_loopback
 from arl.wire.sockets import (
     SECRET_ENV,
@@ -84,6 +85,20 @@ def run_security(cfg: Config) -> Security:
     else:
         secret = new_secret()
     return Security(secret, curve=cfg.transport.curve)
+
+
+def node_config(cfg: Config) -> NodeConfig:
+    """What every node applies from the run's config, sent in the controller's hello reply:
+    also a node a job script started with default flags (``cluster.launcher=attach``)."""
+    c, t = cfg.cluster, cfg.transport
+    return NodeConfig(
+        heartbeat_interval=c.heartbeat_interval,
+        heartbeat_timeout=c.heartbeat_timeout,
+        allowed_import_prefixes=tuple(c.allowed_import_prefixes),
+        max_message_bytes=t.max_message_bytes,
+        pull_chunk_bytes=t.pull_chunk_bytes,
+        shared_memory=t.shared_memory,
+    )
 
 
 def node_env(spec: NodeSpec, cfg: Config, n_nodes: int = 1) -> dict[str, str]:
@@ -164,12 +179,15 @@ class LaunchRequest:
 
     @property
     def command_kw(self) -> dict:
-        """The `node_command` settings every node gets."""
+        """The `node_command` settings every node gets: what the hello reply's `node_config`
+        replaces, given here too so the node has them from its start (the heartbeat timeout
+        bounds its wait for the controller) and its data socket binds with the run's cap."""
         c = self.cfg.cluster
         return dict(
             allowed_prefixes=c.allowed_import_prefixes,
             heartbeat_interval=c.heartbeat_interval,
             heartbeat_timeout=c.heartbeat_timeout,
+            max_message_bytes=self.cfg.transport.max_message_bytes,
         )
 
 
@@ -366,6 +384,7 @@ async def start_cluster(
             heartbeat_timeout=c.heartbeat_timeout,
             max_message_bytes=cfg.transport.max_message_bytes,
             inline_threshold=cfg.transport.inline_threshold_bytes,
+            node_config=node_config(cfg),
         )
         try:
             ctl = await stack.enter_async_context(controller)

@@ -27,6 +27,7 @@ from typing import Any
 import zmq
 
 from arl.protocol.errors import RemoteError, error_payload
+from arl.protocol.node_config import NodeConfig
 from arl.protocol.stall import watchdog_identity
 from arl.wire.codec import (
     Message,
@@ -146,8 +147,11 @@ class Controller:
         heartbeat_timeout: float = 10.0,
         max_message_bytes: int = -1,
         inline_threshold: int = 256,
+        node_config: NodeConfig | None = None,
     ):
         self.security = security or Security(new_secret())
+        # Sent in every hello reply; the node applies it before any call (none: its flags).
+        self.node_config = node_config
         self.host, self.port = host, port
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
@@ -393,7 +397,10 @@ class Controller:
         node = NodeHandle(self, node_id, identity, info)
         self.nodes[node_id] = node
         self._by_identity[identity] = node
-        await self._send(identity, Message("ok", msg.id, "hello", {"node_id": node_id}))
+        reply: dict[str, Any] = {"node_id": node_id}
+        if self.node_config is not None:
+            reply["node_config"] = self.node_config.to_wire()
+        await self._send(identity, Message("ok", msg.id, "hello", reply))
         log.info("node %s joined from %s pid %s", node_id, info.get("host"), info.get("pid"))
         async with self._node_joined:
             self._node_joined.notify_all()

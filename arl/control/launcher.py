@@ -55,7 +55,7 @@ def node_command(
         cmd.append("--curve")
     cmd += ["--heartbeat-interval", str(heartbeat_interval)]
     cmd += ["--heartbeat-timeout", str(heartbeat_timeout)]
-    if max_message_bytes > 0:  # wired through so LocalNodes/SlurmNodes can set the daemon's cap
+    if max_message_bytes > 0:
         cmd += ["--max-message-bytes", str(max_message_bytes)]
     return cmd
 

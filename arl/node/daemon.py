@@ -1,6 +1,9 @@
 """The `arl-node` daemon: one per GPU or CPU slot (DESIGN §1).
 
-It connects a DEALER to the controller's ROUTER, says hello, and then serves calls:
+It connects a DEALER to the controller's ROUTER and says hello; the controller's reply carries
+the run's `NodeConfig` (heartbeats, import prefixes, message cap, data plane), which replaces
+the flags' values before the shard store and data plane start and any call is served, so a node
+a job script started with default flags honours the run's settings. Then it serves calls:
 
 - ``create``  {name, target: "pkg.module:Attr", args, kwargs} builds an object by import path
   (only under the allowed module prefixes, checked before anything is imported);
@@ -42,6 +45,7 @@ from arl.event_loop import run_loop
 from arl.protocol.errors import error_payload
 from arl.protocol.imports import ImportRefused as ImportRefused  # re-exported for callers
 from arl.protocol.imports import resolve_import
+from arl.protocol.node_config import NodeConfig, NodeConfigError
 from arl.protocol.stall import stall_report, watchdog_identity
 from arl.wire.addresses import free_port, is_loopback
 from arl.wire.codec import (
@@ -71,20 +75,14 @@ class NodeDaemon:
         security: Security,
         *,
         node_id: str,
-        allowed_prefixes: tuple[str, ...] = DEFAULT_PREFIXES,
-        heartbeat_interval: float = 1.0,
-        heartbeat_timeout: float = 10.0,
+        config: NodeConfig | None = None,
         data_host: str = "127.0.0.1",
-        max_message_bytes: int = -1,
     ):
         self.controller = controller
         self.security = security
         self.node_id = node_id
-        self.allowed_prefixes = tuple(allowed_prefixes)
-        self.heartbeat_interval = heartbeat_interval
-        self.heartbeat_timeout = heartbeat_timeout
+        self.config = config or NodeConfig()  # the flags' until the hello reply
         self.data_host = data_host
-        self.max_message_bytes = max_message_bytes
         self.objects: dict[str, Any] = {}
         self.engine_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._tasks: set[asyncio.Task] = set()
@@ -94,11 +92,20 @@ class NodeDaemon:
         self.services: list[Any] = []  # objects with async close(), ended with the node
         self.run_id = os.environ.get("ARL_RUN_ID", "arl")
         self.store: Any = None  # the ShardStore, set by the store service
-        # The loop ticks every _TICK_S; the watchdog reports a loop silent for stall_after.
-        self.stall_after = max(4 * _TICK_S, heartbeat_timeout / 4)
+        self.configured = False  # the hello reply came and its node config is applied
         self._tick = time.monotonic()
         self._watch_stop = threading.Event()
         self._watchdog: threading.Thread | None = None
+
+    @property
+    def allowed_prefixes(self) -> tuple[str, ...]:
+        """Module prefixes ``create`` and the node's workflows may import from."""
+        return self.config.allowed_import_prefixes
+
+    @property
+    def stall_after(self) -> float:
+        """Seconds of a silent event loop the watchdog reports (the loop ticks every _TICK_S)."""
+        return max(4 * _TICK_S, self.config.heartbeat_timeout / 4)
 
     # ---- info -------------------------------------------------------------------------------
     def info(self) -> dict:
@@ -140,7 +147,7 @@ class NodeDaemon:
             zmq.ROUTER,
             self.security,
             server=True,
-            max_message_bytes=self.max_message_bytes,
+            max_message_bytes=self.config.max_message_bytes,
         )
         self.data_addr = bind_tcp(self.data_sock, self.data_host)
         self.auth.watch(self.data_sock)  # refused peers are logged with their address
@@ -151,7 +158,6 @@ class NodeDaemon:
                 loop.add_signal_handler(sig, self.stop, f"signal {sig.name}")
             except (NotImplementedError, RuntimeError):  # not the main thread
                 pass
-        await self._start_services()
         recv = asyncio.create_task(self._recv_loop())
         hb = asyncio.create_task(self._heartbeat_loop())
         tick = asyncio.create_task(self._tick_loop())
@@ -175,11 +181,25 @@ class NodeDaemon:
             await self._shutdown()
         return self.exit_reason
 
-    async def _start_services(self) -> None:
-        """Hook for the shard store and data plane (kept apart from the control plane)."""
+    async def _configure(self, reply: Any) -> None:
+        """Apply the run's node config from the controller's hello reply (none: keep the
+        flags'), then start the shard store and data plane, which are built from it."""
         from arl.node.services import start_services
 
-        self.services = await start_services(self)
+        self.configured = True
+        if isinstance(reply, dict) and "node_config" in reply:
+            try:
+                self.config = NodeConfig.from_wire(reply["node_config"])
+            except NodeConfigError as e:
+                log.error("node %s: the controller's hello reply is unusable: %s", self.node_id, e)
+                self.stop(f"bad node config from the controller: {e}")
+                return
+            log.info("node %s: the run's settings: %s", self.node_id, self.config)
+        try:
+            self.services = await start_services(self)
+        except Exception as e:  # in the receive loop: raised, it would leave the node deaf
+            log.exception("node %s: the shard store and data plane did not start", self.node_id)
+            self.stop(f"the shard store and data plane did not start: {e}")
 
     def stop(self, reason: str = "stopped") -> None:
         """Ask the node to stop (idempotent)."""
@@ -231,15 +251,16 @@ class NodeDaemon:
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.heartbeat_interval)
-            if time.monotonic() - self._last_heard > self.heartbeat_timeout:
-                self.stop(f"controller silent for more than {self.heartbeat_timeout}s")
+            await asyncio.sleep(self.config.heartbeat_interval)
+            cfg = self.config  # the hello reply may have replaced it meanwhile
+            if time.monotonic() - self._last_heard > cfg.heartbeat_timeout:
+                self.stop(f"controller silent for more than {cfg.heartbeat_timeout}s")
                 return
             # Bounded: with no link to the controller (e.g. refused at the handshake, after which
             # libzmq does not reconnect) a send waits forever, and this loop must keep checking.
             try:
                 await asyncio.wait_for(
-                    self._send(Message("hb", 0, "hb", self.stats())), self.heartbeat_interval
+                    self._send(Message("hb", 0, "hb", self.stats())), cfg.heartbeat_interval
                 )
             except TimeoutError:
                 pass
@@ -298,7 +319,7 @@ class NodeDaemon:
             frames = await self.sock.recv_multipart(copy=False)
             self._last_heard = time.monotonic()
             try:
-                check_message_size(frames, self.max_message_bytes)
+                check_message_size(frames, self.config.max_message_bytes)
                 msg = decode_message(frames)
             except WireError as e:
                 log.warning("malformed message from controller dropped: %s", e)
@@ -309,6 +330,10 @@ class NodeDaemon:
             if msg.op == "bye":
                 self.stop("controller said bye")
                 return
+            if msg.op == "ok" and msg.method == "hello" and not self.configured:
+                # Awaited here, so every call after the reply finds the node configured.
+                await self._configure(msg.args)
+                continue
             if msg.op == "hb" or msg.op == "ok":
                 continue
             if msg.op != "call":
@@ -433,18 +458,37 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="append",
         default=None,
         metavar="PREFIX",
-        help="module prefix the node may import engines/workflows from (repeatable; default: arl.)",
+        help="module prefix the node may import engines/workflows from (repeatable; default: "
+        "arl.); the controller's hello reply replaces them with cluster.allowed_import_prefixes",
     )
     p.add_argument("--curve", action="store_true", help="use CURVE encryption")
-    p.add_argument("--heartbeat-interval", type=float, default=1.0)
-    p.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    p.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=1.0,
+        help="seconds between heartbeats until the controller sends the run's",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=10.0,
+        help="seconds of controller silence that end the node, until the controller sends the "
+        "run's (so also how long a node waits for a controller that is not up yet)",
+    )
     p.add_argument(
         "--data-host",
         default="",
         help="address to bind the data plane on "
         "(default: 127.0.0.1 for a loopback controller, else this host's name)",
     )
-    p.add_argument("--max-message-bytes", type=int, default=-1)
+    p.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=-1,
+        help="largest message accepted (<= 0: no cap); the controller's hello reply replaces it "
+        "with the run's transport.max_message_bytes, except for the data plane socket's own "
+        "cap, set when it binds",
+    )
     p.add_argument("--log-level", default=os.environ.get("ARL_LOG_LEVEL", "WARNING"))
     return p.parse_args(argv)
 
@@ -467,11 +511,13 @@ def main(argv: list[str] | None = None) -> int:
         a.controller,
         security,
         node_id=a.node_id or default_node_id(),
-        allowed_prefixes=tuple(a.allow_import or DEFAULT_PREFIXES),
-        heartbeat_interval=a.heartbeat_interval,
-        heartbeat_timeout=a.heartbeat_timeout,
+        config=NodeConfig(
+            heartbeat_interval=a.heartbeat_interval,
+            heartbeat_timeout=a.heartbeat_timeout,
+            allowed_import_prefixes=tuple(a.allow_import or DEFAULT_PREFIXES),
+            max_message_bytes=a.max_message_bytes,
+        ),
         data_host=data_host,
-        max_message_bytes=a.max_message_bytes,
     )
     reason = run_loop(node.run())
     log.info("node %s exited: %s", node.node_id, reason)

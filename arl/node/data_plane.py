@@ -49,7 +49,14 @@ from arl.node.shard_store import (
 )
 from arl.protocol.errors import ErrorKind
 from arl.protocol.rtensor import RTensor, ShardRef, is_wire_rtensor
-from arl.wire.codec import Message, WireError, decode_message, encode_message, peek_id
+from arl.wire.codec import (
+    Message,
+    WireError,
+    check_message_size,
+    decode_message,
+    encode_message,
+    peek_id,
+)
 from arl.wire.sockets import (
     HANDSHAKE_FAILED,
     LoopSocket,
@@ -144,11 +151,13 @@ class DataPlaneServer:
         *,
         node_id: str | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        max_message_bytes: int = -1,
     ):
         self.store = store
         self.socket = socket
         self.node_id = node_id or store.node_id
         self.chunk_bytes = chunk_bytes
+        self.max_message_bytes = max_message_bytes  # a whole request's cap (<= 0: none)
         self.host_id = host_id()
         # Chunk frames reference the store's buffers, so queueing a whole reply costs no memory;
         # a finite HWM would make the ROUTER drop chunks silently.
@@ -176,6 +185,7 @@ class DataPlaneServer:
             frames = await self.socket.recv_multipart(copy=False)
             ident, body = frames[0], frames[1:]
             try:
+                check_message_size(body, self.max_message_bytes)
                 msg = decode_message(body)
             except WireError as e:
                 log.warning("node %s: malformed data-plane request dropped: %s", self.node_id, e)
@@ -605,13 +615,25 @@ class NodeDataPlane:
         shared_memory: bool = True,
         timeout: float = DEFAULT_TIMEOUT,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        max_message_bytes: int = -1,
     ) -> NodeDataPlane:
-        """Sweep orphaned segments of ``run_id``, then serve the store on the bound ``socket``."""
+        """Sweep orphaned segments of ``run_id``, then serve the store on the bound ``socket``.
+
+        Without ``shared_memory`` this node neither keeps its shards in shared memory nor maps
+        another node's: every pull streams over TCP (``transport.shared_memory``)."""
         sweep_orphans(run_id)
         store = ShardStore(run_id, node_id, shared_memory=shared_memory)
-        server = DataPlaneServer(store, socket, node_id=node_id, chunk_bytes=chunk_bytes)
+        server = DataPlaneServer(
+            store,
+            socket,
+            node_id=node_id,
+            chunk_bytes=chunk_bytes,
+            max_message_bytes=max_message_bytes,
+        )
         server.start()
-        client = DataPlaneClient(store, ctx=ctx, security=security, timeout=timeout)
+        client = DataPlaneClient(
+            store, ctx=ctx, security=security, timeout=timeout, force_tcp=not shared_memory
+        )
         return cls(store, server, client)
 
     def stats(self) -> dict[str, int]:

@@ -16,6 +16,7 @@ from arl.config import (
     save_resolved,
     to_yaml,
 )
+from arl.config.tree import SaverConfig
 
 
 def test_defaults_validate_and_run_path():
@@ -373,3 +374,12 @@ def test_help_text_lists_every_field_with_type_default_and_help():
 def test_help_text_shows_the_given_config_values():
     cfg = apply_overrides(Config(), ["actor.lr=0.5"])
     assert "actor.lr (float, 0.5):" in help_text(cfg)
+
+
+@pytest.mark.parametrize(
+    "hf_export, freq_steps, due_steps",
+    [(True, 2, [2, 4]), (True, None, []), (False, 2, []), (False, None, [])],
+)
+def test_saver_exports_every_freq_steps_only_with_hf_export(hf_export, freq_steps, due_steps):
+    saver = SaverConfig(hf_export=hf_export, freq_steps=freq_steps)
+    assert [step for step in range(1, 6) if saver.due(step)] == due_steps

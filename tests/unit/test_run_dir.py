@@ -150,8 +150,9 @@ def test_checkpoints_being_a_file_is_found_before_launch(tmp_path):
     message = str(info.value)
     assert f"{cfg.run_path / 'checkpoints'} is a file" in message
     assert "the trained model" in message and "saver.hf_export=false" in message
-    # Turning the export off is a way out the message names.
-    claim_run_dir(_cfg(tmp_path, "saver.hf_export=false")).release()
+    # Turning the export off is a way out the message names, also with periodic exports set
+    # (hf_export=false exports nothing, so nothing is written there).
+    claim_run_dir(_cfg(tmp_path, "saver.hf_export=false", "saver.freq_steps=2")).release()
 
 
 def test_a_read_only_mount_under_the_run_is_found_before_launch(tmp_path):
