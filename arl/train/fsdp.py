@@ -43,6 +43,7 @@ from arl.algo.packing import (
 )
 from arl.algo.rewards import normalize_rewards, transform_rewards
 from arl.algo.schedule import lr_at
+from arl.compile_cache import use_compile_cache
 from arl.config import ActorConfig, ConfigError
 from arl.engines.lora import is_lora_name, save_adapter
 from arl.train.activations import activation_bytes_per_token
@@ -103,6 +104,7 @@ class FSDPEngine:
         total_steps: int | None = None,
     ) -> None:
         _check_config(cfg, total_steps)
+        use_compile_cache()  # before the layers and the log-prob head compile
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
         self.total_steps = total_steps

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from arl.compile_cache import use_compile_cache
 from arl.engines.base import FinishReason, GenerationResult, SamplingParams, WeightTarget
 from arl.engines.hf.attention import cache_kwarg, compile_norm_and_mlp, register_attention
 from arl.engines.hf.errors import (
@@ -93,8 +94,6 @@ class HFEngine:
         decode_attention: str = "auto",
         lora: dict | None = None,
     ) -> None:
-        from transformers import AutoModelForCausalLM
-
         if max_batch_size < 1 or max_seq_len < 2 or max_prefill_tokens < 1:
             raise ValueError(
                 f"need max_batch_size >= 1, max_seq_len >= 2, max_prefill_tokens >= 1; got "
@@ -115,6 +114,9 @@ class HFEngine:
                 f"model_path {model_path!r} is not a directory; resolve hub ids first with "
                 "arl.engines.model.resolve_model"
             )
+        use_compile_cache()  # before the blocks and flex attention compile
+        from transformers import AutoModelForCausalLM
+
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             # The decode thread selects this device by index (threads start on device 0).
