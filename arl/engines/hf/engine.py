@@ -28,7 +28,13 @@ from arl.engines.hf.errors import (
     UnknownWeightError,
 )
 from arl.engines.hf.flex import DECODE_ATTENTIONS, KV_BLOCK, flex_decode, register_flex_attention
-from arl.engines.hf.graphs import DecodeGraphs, buckets, row_bucket, width_bucket
+from arl.engines.hf.graphs import (
+    DecodeGraphs,
+    row_bucket,
+    warm_up_shapes,
+    warm_up_widths,
+    width_bucket,
+)
 from arl.engines.hf.kv_cache import SlotKVCache
 from arl.engines.hf.request import Request, deliver, settle
 from arl.engines.hf.weights import checksum_named_tensors, is_adapter_folder, iter_weights_folder
@@ -594,18 +600,17 @@ class HFEngine:
         size from the start instead of growing (which makes every captured graph stale)."""
         t0 = time.perf_counter()
         if self._flex is None:
-            widths = buckets(width_bucket(length, self.max_seq_len), width_bucket)
+            widths = warm_up_widths(length, self.max_seq_len)
             self._cache.reserve(self.max_batch_size, widths[-1])
         else:  # one width: see _decode_shape
             self._cache.reserve(self.max_batch_size, length)
             widths = [self._cache.seq_capacity]
         with self._model_lock, torch.no_grad(), torch.cuda.device(self.device):
             try:
-                for width in widths:
-                    for rows in buckets(self.max_batch_size, row_bucket):
-                        # Free rows: the garbage these passes write is overwritten by a prefill.
-                        self._pos[:rows] = 0
-                        self._graphs.get(rows, width, self._cache, self._forward_decode)
+                for rows, width in warm_up_shapes(self.max_batch_size, widths):
+                    # Free rows: the garbage these passes write is overwritten by a prefill.
+                    self._pos[:rows] = 0
+                    self._graphs.get(rows, width, self._cache, self._forward_decode)
                 torch.cuda.synchronize(self.device)
             except torch.cuda.OutOfMemoryError as exc:
                 # The full-size cache does not fit next to what else holds this GPU now: start
