@@ -27,7 +27,13 @@ from arl.engines.hf.errors import (
     HFEngineError,
     UnknownWeightError,
 )
-from arl.engines.hf.flex import DECODE_ATTENTIONS, KV_BLOCK, flex_decode, register_flex_attention
+from arl.engines.hf.flex import (
+    DECODE_ATTENTIONS,
+    KV_BLOCK,
+    flex_decode,
+    register_flex_attention,
+    warm_up_width,
+)
 from arl.engines.hf.graphs import (
     DecodeGraphs,
     row_bucket,
@@ -168,7 +174,12 @@ class HFEngine:
         # None where compilation failed (warned): the engine decodes with SDPA.
         self._flex = None
         if decode_attention == "flex":
-            self._flex = flex_decode(self._model, self.device, max_batch_size, flex_compiled)
+            # The probe compiles the shape the warm-up's first graph runs (one row at the whole
+            # width), which that graph then reuses, rather than a shape no step runs.
+            width = KV_BLOCK
+            if warm_up_len and self.cuda_graphs:
+                width = warm_up_width(max_batch_size, max_seq_len, warm_up_len)
+            self._flex = flex_decode(self._model, self.device, max_batch_size, flex_compiled, width)
         self.decode_attention = "sdpa" if self._flex is None else "flex"
         self._eos = _eos_ids(self._model)
         self._vocab_size = int(self._model.get_input_embeddings().weight.shape[0])
