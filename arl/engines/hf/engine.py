@@ -127,6 +127,7 @@ class HFEngine:
                 "arl.engines.model.resolve_model"
             )
         use_compile_cache()  # before the blocks and flex attention compile
+        t_start = time.perf_counter()
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
@@ -165,6 +166,9 @@ class HFEngine:
         if self.lora is not None:
             model = add_lora(model, self.lora)
         self._model = model.to(self.device).eval().requires_grad_(False)
+        # Start-up phases (seconds), for `health` and the log line that ends the constructor.
+        self.load_s = time.perf_counter() - t_start  # transformers' import included
+        t_compile = time.perf_counter()
         self._cache_kw = cache_kwarg(self._model.forward)
         # torch.compile of the norms and MLPs fuses their elementwise kernels (a decode step of a
         # small model is ~1,250 tiny kernels, each a few microseconds even inside a CUDA graph).
@@ -181,6 +185,7 @@ class HFEngine:
                 width = warm_up_width(max_batch_size, max_seq_len, warm_up_len)
             self._flex = flex_decode(self._model, self.device, max_batch_size, flex_compiled, width)
         self.decode_attention = "sdpa" if self._flex is None else "flex"
+        self.compile_s = time.perf_counter() - t_compile
         self._eos = _eos_ids(self._model)
         self._vocab_size = int(self._model.get_input_embeddings().weight.shape[0])
         # Some models pad the output layer past the input vocabulary: sample over the logits.
@@ -241,6 +246,14 @@ class HFEngine:
         self.warm_up_s = 0.0
         if warm_up_len and self.cuda_graphs:
             self._warm_up(min(warm_up_len, max_seq_len))
+        # One line that `python -m arl.bench startup` reads back from the run's log.
+        logger.info(
+            "hf engine ready in %.1f s (load %.1f s, compile %.1f s, graphs %.1f s)",
+            time.perf_counter() - t_start,
+            self.load_s,
+            self.compile_s,
+            self.warm_up_s,
+        )
 
     # ----------------------------------------------------------------- public API
 
@@ -313,6 +326,8 @@ class HFEngine:
                 "compiled_blocks": self.compiled_blocks,
                 "decode_attention": self.decode_attention,
                 "decode_graphs": len(self._graphs),
+                "load_s": self.load_s,
+                "compile_s": self.compile_s,
                 "warm_up_s": self.warm_up_s,
                 "generated_tokens": self._generated_tokens,
                 "busy_s": self._busy_s,
