@@ -28,6 +28,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "sync": ("arl.bench.sync", "weight-sync seconds per mode in a recipe, beside the copy floor"),
     "loop": ("arl.bench.loop", "a recipe's RL step phase by phase beside its floors, profiled"),
     "scale": ("arl.bench.scale", "the RL loop at 1.5B/3B/7B shapes on one GPU: step, MFU, memory"),
+    "startup": (
+        "arl.bench.startup",
+        "a recipe's launch to step 1 and to exit, cold and warm compile cache, phase by phase",
+    ),
 }
 
 

@@ -90,12 +90,13 @@ class TrainWorker:
         self.sync_dtype: torch.dtype | None = None
 
     def info(self) -> dict:
-        """The layout this rank resolved, the seconds of its priming (small passes when it was
-        built) and of its warm-up (the large pass; compilation included in both) and its CUDA
-        graphs of the update (None where they do not apply)."""
+        """The layout this rank resolved, the seconds of its model's load, of its priming
+        (small passes when it was built) and of its warm-up (the large pass; compilation
+        included in both) and its CUDA graphs of the update (None where they do not apply)."""
         e = self.engine
         return {
             "layout": e.layout,
+            "load_s": e.load_s,
             "prime_s": e.prime_s,
             "warm_up_s": e.warm_up_s,
             "device": str(e.device),

@@ -43,6 +43,7 @@ from arl.algo.packing import (
 )
 from arl.algo.rewards import normalize_rewards, transform_rewards
 from arl.algo.schedule import lr_at
+from arl.compile_cache import use_compile_cache
 from arl.config import ActorConfig, ConfigError
 from arl.engines.lora import is_lora_name, save_adapter
 from arl.train.activations import activation_bytes_per_token
@@ -103,6 +104,8 @@ class FSDPEngine:
         total_steps: int | None = None,
     ) -> None:
         _check_config(cfg, total_steps)
+        use_compile_cache()  # before the layers and the log-prob head compile
+        t_start = time.perf_counter()
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
         self.total_steps = total_steps
@@ -141,6 +144,7 @@ class FSDPEngine:
             lora=self.lora,
             offload=offload,
         )
+        self.load_s = time.perf_counter() - t_start  # process group and the sharded model
         # What the optimizer steps, the gradients clip and CUDA graphs hold: every parameter,
         # or with LoRA the adapters alone.
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -190,6 +194,14 @@ class FSDPEngine:
         self._n_global = torch.ones((), dtype=torch.float32, device=self.device)
         self.graphs = self._graphs_if_they_pay()
         self.prime()
+        # One line per rank that `python -m arl.bench startup` reads back from the run's log.
+        log.info(
+            "rank %d: ready in %.1f s (load %.1f s, prime %.1f s)",
+            self.rank,
+            time.perf_counter() - t_start,
+            self.load_s,
+            self.prime_s,
+        )
 
     def _graphs_if_they_pay(self) -> MicroBatchGraphs | None:
         """CUDA graphs of small micro-batches (`arl.train.graphs`), where they apply: one CUDA

@@ -232,3 +232,36 @@ def test_a_shape_that_fails_to_compile_after_the_build_decodes_eagerly(
     assert caplog.text.count("compiled flex_attention failed") == 1
     for got in (out, again):
         assert (got - _sdpa(q, k, v)).abs().max().item() < 1e-5
+
+
+def test_the_build_probe_compiles_the_shape_the_first_decode_graph_runs(
+    tiny: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`flex_decode`'s probe runs one row at the warm-up's width on the engine's own mask, so
+    the warm-up's first graph (one row) reuses what it compiled; each further row bucket is a
+    shape of its own. Compilations are counted by a backend that runs the traced graph."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    compiled: list[int] = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        compiled.append(len(example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    counted = torch.compile(flex_attention, dynamic=False, backend=counting)
+    monkeypatch.setattr(flex, "_COMPILED", counted)
+    monkeypatch.setattr(flex, "_BROKEN", False)
+    try:
+        with HFEngine(tiny, max_batch_size=16, max_seq_len=2048, decode_attention="flex") as e:
+            width = flex.warm_up_width(16, 2048, 193)
+            e._flex = flex.flex_decode(e._model, e.device, 16, True, width)
+            assert len(compiled) == 1
+            e._cache.reserve(16, 193)  # as the warm-up sizes it
+            with torch.no_grad():
+                e._forward_decode(*e._decode_shape(1, 5))
+                assert len(compiled) == 1
+                e._forward_decode(*e._decode_shape(2, 5))
+                assert len(compiled) == 2
+    finally:
+        torch._dynamo.reset()

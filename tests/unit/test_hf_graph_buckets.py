@@ -1,7 +1,15 @@
 """The decode-graph buckets of the hf engine: every size maps to a bucket that holds it, and
 large batches pad by less than one step instead of up to twice their size."""
 
-from arl.engines.hf.graphs import ROW_STEP, WIDTH_STEP, buckets, row_bucket, width_bucket
+from arl.engines.hf.graphs import (
+    ROW_STEP,
+    WIDTH_STEP,
+    buckets,
+    row_bucket,
+    warm_up_shapes,
+    warm_up_widths,
+    width_bucket,
+)
 
 
 def test_buckets_hold_their_sizes_and_pad_by_less_than_a_step():
@@ -25,3 +33,19 @@ def test_buckets_lists_each_bucket_once_in_order():
     assert buckets(100, row_bucket)[-1] == 100
     every = {row_bucket(n, 384) for n in range(1, 385)}
     assert sorted(every) == buckets(384, row_bucket)
+
+
+def test_warm_up_captures_every_shape_a_decode_step_can_run_and_no_other():
+    """The SDPA warm-up's graphs are exactly the (rows, width) buckets of the steps an engine of
+    ``max_rows`` rows runs for requests up to ``length`` positions: none missing (it would be
+    captured mid-rollout), none wasted (captured at start for nothing)."""
+    for max_rows, length, max_seq_len in ((384, 193, 2048), (100, 1537, 2048), (3, 64, 64)):
+        shapes = warm_up_shapes(max_rows, warm_up_widths(length, max_seq_len))
+        reachable = {
+            (row_bucket(n, max_rows), width_bucket(kv, max_seq_len))
+            for n in range(1, max_rows + 1)
+            for kv in range(1, length + 1)
+        }
+        assert len(shapes) == len(set(shapes)) and set(shapes) == reachable
+    # arith on one engine: 48 groups x 8 samples in flight, 128 + 64 + 1 positions.
+    assert len(warm_up_shapes(384, warm_up_widths(193, 2048))) == 12 * 3

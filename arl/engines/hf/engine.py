@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from arl.compile_cache import use_compile_cache
 from arl.engines.base import FinishReason, GenerationResult, SamplingParams, WeightTarget
 from arl.engines.hf.attention import cache_kwarg, compile_norm_and_mlp, register_attention
 from arl.engines.hf.errors import (
@@ -26,8 +27,20 @@ from arl.engines.hf.errors import (
     HFEngineError,
     UnknownWeightError,
 )
-from arl.engines.hf.flex import DECODE_ATTENTIONS, KV_BLOCK, flex_decode, register_flex_attention
-from arl.engines.hf.graphs import DecodeGraphs, buckets, row_bucket, width_bucket
+from arl.engines.hf.flex import (
+    DECODE_ATTENTIONS,
+    KV_BLOCK,
+    flex_decode,
+    register_flex_attention,
+    warm_up_width,
+)
+from arl.engines.hf.graphs import (
+    DecodeGraphs,
+    row_bucket,
+    warm_up_shapes,
+    warm_up_widths,
+    width_bucket,
+)
 from arl.engines.hf.kv_cache import SlotKVCache
 from arl.engines.hf.request import Request, deliver, settle
 from arl.engines.hf.weights import checksum_named_tensors, is_adapter_folder, iter_weights_folder
@@ -93,8 +106,6 @@ class HFEngine:
         decode_attention: str = "auto",
         lora: dict | None = None,
     ) -> None:
-        from transformers import AutoModelForCausalLM
-
         if max_batch_size < 1 or max_seq_len < 2 or max_prefill_tokens < 1:
             raise ValueError(
                 f"need max_batch_size >= 1, max_seq_len >= 2, max_prefill_tokens >= 1; got "
@@ -115,6 +126,10 @@ class HFEngine:
                 f"model_path {model_path!r} is not a directory; resolve hub ids first with "
                 "arl.engines.model.resolve_model"
             )
+        use_compile_cache()  # before the blocks and flex attention compile
+        t_start = time.perf_counter()
+        from transformers import AutoModelForCausalLM
+
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             # The decode thread selects this device by index (threads start on device 0).
@@ -151,6 +166,9 @@ class HFEngine:
         if self.lora is not None:
             model = add_lora(model, self.lora)
         self._model = model.to(self.device).eval().requires_grad_(False)
+        # Start-up phases (seconds), for `health` and the log line that ends the constructor.
+        self.load_s = time.perf_counter() - t_start  # transformers' import included
+        t_compile = time.perf_counter()
         self._cache_kw = cache_kwarg(self._model.forward)
         # torch.compile of the norms and MLPs fuses their elementwise kernels (a decode step of a
         # small model is ~1,250 tiny kernels, each a few microseconds even inside a CUDA graph).
@@ -160,8 +178,14 @@ class HFEngine:
         # None where compilation failed (warned): the engine decodes with SDPA.
         self._flex = None
         if decode_attention == "flex":
-            self._flex = flex_decode(self._model, self.device, max_batch_size, flex_compiled)
+            # The probe compiles the shape the warm-up's first graph runs (one row at the whole
+            # width), which that graph then reuses, rather than a shape no step runs.
+            width = KV_BLOCK
+            if warm_up_len and self.cuda_graphs:
+                width = warm_up_width(max_batch_size, max_seq_len, warm_up_len)
+            self._flex = flex_decode(self._model, self.device, max_batch_size, flex_compiled, width)
         self.decode_attention = "sdpa" if self._flex is None else "flex"
+        self.compile_s = time.perf_counter() - t_compile
         self._eos = _eos_ids(self._model)
         self._vocab_size = int(self._model.get_input_embeddings().weight.shape[0])
         # Some models pad the output layer past the input vocabulary: sample over the logits.
@@ -222,6 +246,14 @@ class HFEngine:
         self.warm_up_s = 0.0
         if warm_up_len and self.cuda_graphs:
             self._warm_up(min(warm_up_len, max_seq_len))
+        # One line that `python -m arl.bench startup` reads back from the run's log.
+        logger.info(
+            "hf engine ready in %.1f s (load %.1f s, compile %.1f s, graphs %.1f s)",
+            time.perf_counter() - t_start,
+            self.load_s,
+            self.compile_s,
+            self.warm_up_s,
+        )
 
     # ----------------------------------------------------------------- public API
 
@@ -294,6 +326,8 @@ class HFEngine:
                 "compiled_blocks": self.compiled_blocks,
                 "decode_attention": self.decode_attention,
                 "decode_graphs": len(self._graphs),
+                "load_s": self.load_s,
+                "compile_s": self.compile_s,
                 "warm_up_s": self.warm_up_s,
                 "generated_tokens": self._generated_tokens,
                 "busy_s": self._busy_s,
@@ -592,18 +626,17 @@ class HFEngine:
         size from the start instead of growing (which makes every captured graph stale)."""
         t0 = time.perf_counter()
         if self._flex is None:
-            widths = buckets(width_bucket(length, self.max_seq_len), width_bucket)
+            widths = warm_up_widths(length, self.max_seq_len)
             self._cache.reserve(self.max_batch_size, widths[-1])
         else:  # one width: see _decode_shape
             self._cache.reserve(self.max_batch_size, length)
             widths = [self._cache.seq_capacity]
         with self._model_lock, torch.no_grad(), torch.cuda.device(self.device):
             try:
-                for width in widths:
-                    for rows in buckets(self.max_batch_size, row_bucket):
-                        # Free rows: the garbage these passes write is overwritten by a prefill.
-                        self._pos[:rows] = 0
-                        self._graphs.get(rows, width, self._cache, self._forward_decode)
+                for rows, width in warm_up_shapes(self.max_batch_size, widths):
+                    # Free rows: the garbage these passes write is overwritten by a prefill.
+                    self._pos[:rows] = 0
+                    self._graphs.get(rows, width, self._cache, self._forward_decode)
                 torch.cuda.synchronize(self.device)
             except torch.cuda.OutOfMemoryError as exc:
                 # The full-size cache does not fit next to what else holds this GPU now: start

@@ -30,6 +30,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from arl.engines.hf.attention import grouped_decode_attention
+from arl.engines.hf.kv_cache import SlotKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -196,14 +197,23 @@ def head_shape(config: Any) -> tuple[int, int, int]:
     return heads, kv_heads, dim
 
 
+def warm_up_width(max_rows: int, max_seq_len: int, length: int) -> int:
+    """The KV width every decode graph of a flex engine runs at after a warm-up to ``length``
+    positions: the capacity its cache takes for ``max_rows`` rows of that length."""
+    sized = SlotKVCache(max_rows, max_seq_len, KV_BLOCK)  # allocates nothing
+    sized.reserve(max_rows, min(length, max_seq_len))
+    return sized.seq_capacity
+
+
 def flex_decode(
-    model: Any, device: torch.device, max_rows: int, compiled: bool
+    model: Any, device: torch.device, max_rows: int, compiled: bool, width: int = KV_BLOCK
 ) -> tuple[FlexDecodeMask, Attend] | None:
     """The block-mask buffers and the attention call of a flex-decoding engine, or None (with a
     warning) where the compiled kernel fails on this machine: the engine then keeps SDPA.
 
-    ``compiled`` runs one tiny decode step now, so that a machine without Triton or a C++
-    compiler falls back here rather than a generation step later.
+    ``compiled`` runs the attention of a one-row decode step at ``width`` KV positions now (on
+    the returned mask: a step of that shape later reuses what this compiled), so that a machine
+    without Triton or a C++ compiler falls back here rather than a generation step later.
     """
     heads, kv_heads, dim = head_shape(model.config)
     mask = FlexDecodeMask(max_rows, heads // kv_heads, device)
@@ -212,12 +222,12 @@ def flex_decode(
         return mask, _eager_flex
     param = next(model.parameters())
     try:
-        probe = FlexDecodeMask(1, heads // kv_heads, device)
-        probe.update(torch.tensor([KV_BLOCK // 2], device=device))
+        mask.update(torch.tensor([KV_BLOCK // 2], device=device))
         q = torch.zeros(1, kv_heads, heads // kv_heads, dim, dtype=param.dtype, device=device)
-        kv = torch.zeros(1, kv_heads, KV_BLOCK, dim, dtype=param.dtype, device=device)
+        # Keys and values apart, as a step passes them: aliased inputs compile separately.
+        k = torch.zeros(1, kv_heads, width, dim, dtype=param.dtype, device=device)
         with torch.no_grad():
-            _run_compiled(q, kv, kv, probe.block_mask(1, KV_BLOCK), dim**-0.5)
+            _run_compiled(q, k, torch.zeros_like(k), mask.block_mask(1, width), dim**-0.5)
     except Exception as exc:  # noqa: BLE001 - any compiler failure: keep SDPA
         # The first line names the cause; the rest is the compiler's whole graph dump.
         why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"

@@ -57,6 +57,20 @@ def buckets(cap: int, bucket_of: Callable[[int, int], int]) -> list[int]:
     return out
 
 
+def warm_up_widths(length: int, max_seq_len: int) -> list[int]:
+    """The KV widths of the SDPA decode graphs of rows up to ``length`` positions long."""
+    return buckets(width_bucket(length, max_seq_len), width_bucket)
+
+
+def warm_up_shapes(max_rows: int, widths: list[int]) -> list[tuple[int, int]]:
+    """The (rows, KV width) of every decode graph a warm-up captures: every row bucket up to
+    ``max_rows`` (the rows the engine may hold at once, which the trainer sizes to the rows
+    in flight for it) at each width of ``widths``: each is the shape of some decode step (a
+    test holds it to the steps the engine can run, no more and no fewer)."""
+    rows = buckets(max_rows, row_bucket)
+    return [(r, w) for w in widths for r in rows]
+
+
 @attrs.define
 class DecodeGraph:
     graph: torch.cuda.CUDAGraph

@@ -1,0 +1,80 @@
+"""`python -m arl.bench startup`'s reading of a run: the start-up phases from the lines the
+engine and the train ranks log, and the figures issue 32 tracks from ``metrics.jsonl``."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from arl.bench.startup import read_phases, report, results_json, summarize_run
+from arl.engines.hf import HFEngine
+from tests.support.tiny_model import make_tiny_model
+
+T0 = 1_800_000_000.0  # a launch time (epoch seconds)
+
+
+def _line(t: float, text: str) -> str:
+    """A log line as the nodes write it (``%(asctime)s %(name)s %(message)s``)."""
+    ms = int(round((t % 1) * 1000))
+    return f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(int(t)))},{ms:03d} {text}"
+
+
+def test_the_engines_own_ready_line_is_read_back(tmp_path, caplog: pytest.LogCaptureFixture):
+    tiny = make_tiny_model(tmp_path / "tiny")
+    with caplog.at_level(logging.INFO, logger="arl.engines.hf.engine"):
+        with HFEngine(tiny, max_batch_size=2, max_seq_len=64) as engine:
+            load_s = engine.load_s
+    (record,) = [r for r in caplog.records if "ready in" in r.getMessage()]
+    phases = read_phases(_line(record.created, record.getMessage()), record.created - 2.0)
+    got = phases["engine_ready"]
+    assert got["at_s"] == pytest.approx(2.0, abs=0.002)
+    assert got["load_s"] == pytest.approx(load_s, abs=0.051)
+    assert got["took_s"] >= got["load_s"] and got["graphs_s"] == 0.0  # no graphs on CPU
+
+
+def _run(first_end: float, exit_at: float) -> dict:
+    rows = [
+        {"time": T0 + first_end, "time/step_s": 4.0, "time/wait_rollout_s": 3.0, "time/train_s": 1},
+        {"time": T0 + first_end + 1.0, "time/step_s": 1.0},
+    ]
+    log = "\n".join(
+        [
+            _line(T0 + 2.5, "INFO arl.controller: node rollout0 joined from vm pid 1"),
+            _line(T0 + 2.75, "INFO arl.controller: node train0 joined from vm pid 2"),
+            "Loading weights: 100%|##########| 272/272",  # no time stamp: skipped
+            _line(T0 + 9.0, "arl.engines.hf.engine hf engine ready in 6.0 s "
+                  "(load 1.5 s, compile 2.5 s, graphs 2.0 s)"),
+            _line(T0 + 8.0, "arl.train.fsdp rank 0: ready in 5.0 s (load 2.0 s, prime 3.0 s)"),
+            _line(T0 + 11.0, "arl.train.fsdp rank 0: warmed up (compile=True) in 1.5 s"),
+        ]
+    )  # fmt: skip
+    return summarize_run(rows, log, T0, T0 + exit_at, 0)
+
+
+def test_the_tracked_figures_and_phases_come_from_the_metrics_and_the_log():
+    cold, warm = _run(first_end=20.0, exit_at=70.0), _run(first_end=12.5, exit_at=28.0)
+    assert warm["first_step_s"] == pytest.approx(12.5)
+    assert warm["setup_done_s"] == pytest.approx(8.5)  # step 1 started 4 s before it ended
+    assert warm["steps"] == 2 and warm["step1"]["time/wait_rollout_s"] == 3.0
+    p = warm["phases"]
+    assert p["nodes_joined"]["at_s"] == pytest.approx(2.75, abs=0.002)  # the last to join
+    assert p["engine_ready"] == pytest.approx(
+        {"at_s": 9.0, "took_s": 6.0, "load_s": 1.5, "compile_s": 2.5, "graphs_s": 2.0}, abs=0.002
+    )
+    assert p["train_ready"]["prime_s"] == 3.0 and p["train_warm_up"]["took_s"] == 1.5
+    floors = {"import_s": 2.0, "model_load_s": 1.0}
+    out = results_json("arith", cold, warm, floors, steps=2)
+    assert out["arith.first_step_s_cold"] == 20.0
+    assert out["arith.first_step_s_warm"] == 12.5
+    assert out["arith.launch_to_exit_s_warm"] == 28.0
+    table = report(cold, warm, floors)
+    assert "| engine: compile (norm/MLP blocks, flex) | 2.5 | 2.5 | - |" in table
+    assert "| first_step_s: launch to the end of step 1 | 20.0 | 12.5 | - |" in table
+    assert "| train rank 0: load | 2.0 | 2.0 | 1.0 |" in table
+
+
+def test_a_run_that_ended_before_step_1_is_refused():
+    with pytest.raises(ValueError, match="ended before step 1"):
+        summarize_run([], "", T0, T0 + 5.0, 1)
