@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from arl.engines.base import FinishReason, GenerationResult, SamplingParams, WeightTarget
+from arl.engines.base import (
+    FinishReason,
+    GenerationResult,
+    SamplingParams,
+    WeightCheck,
+    WeightTarget,
+)
 from arl.engines.hf.attention import cache_kwarg, compile_norm_and_mlp, register_attention
 from arl.engines.hf.errors import (
     EngineAsleepError,
@@ -73,6 +79,7 @@ class HFEngine:
     pause_in_place: ClassVar[bool] = True
     can_sleep: ClassVar[bool] = True
     serves_lora: ClassVar[bool] = True
+    weight_check: ClassVar[WeightCheck] = WeightCheck.CHECKSUM
     version: int
 
     def __init__(
