@@ -15,7 +15,8 @@ from arl.ckpt.stop import StopRequest
 from arl.config import Config
 from arl.control.cluster import start_cluster
 from arl.control.placement import NodeSpec, place
-from arl.trainer import PPOTrainer, load_data
+from arl.data.loader import load_data
+from arl.trainer import PPOTrainer
 
 
 async def run(
