@@ -51,7 +51,7 @@ from arl.protocol.errors import ErrorKind, RemoteError
 from arl.protocol.remote import TrainRanks
 from arl.protocol.rtensor import RTensor
 from arl.stats.logger import StatsLogger
-from arl.stats.progress import ProgressBar, rollout_metrics, summary, trace_step
+from arl.stats.progress import ProgressBar, rollout_metrics, say_if_slow, summary, trace_step
 from arl.stats.trace import Tracer
 from arl.weights import WeightSync
 from arl.weights.verify import WeightVerifier
@@ -165,7 +165,9 @@ class PPOTrainer:
             self.stop.done()  # it came with the last step: the run is complete
         self.saver.settle(self.step)  # an older checkpoint is spent: never resumed again
         if cfg.saver.hf_export:
-            await self.save_hf()
+            t0 = time.monotonic()
+            path = await self.save_hf()
+            say_if_slow(f"exporting the model to {path}", time.monotonic() - t0)
 
     async def _loop(self, total: int, warm: asyncio.Future) -> None:
         cfg = self.cfg
