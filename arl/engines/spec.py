@@ -160,22 +160,30 @@ def engine_spec(
     return spec
 
 
+def engine_sizing(cfg: Config, n_engines: int) -> tuple[int, int]:
+    """(rows, positions) of the KV cache an engine is sized for with ``n_engines`` rollout
+    nodes: room for every sequence the staleness semaphore lets run at once, split over the
+    engines (the hf engine's default 64 rows would serialise gsm8k's 768 concurrent samples), up
+    to 1,024 rows (SmolLM2's KV cache for 1,024 rows of gsm8k's 1,537 positions is 36 GB; the hf
+    engine grows it lazily where that does not fit); and the longest prompt plus completion, at
+    least 2,048 positions. The memory plan counts the same."""
+    per_engine = -(-cfg.max_concurrent_rollouts * cfg.gconfig.n_samples // max(1, n_engines))
+    positions = max(2048, cfg.data.max_prompt_len + cfg.gconfig.max_new_tokens + 1)
+    return max(1, min(1024, per_engine)), positions
+
+
 def engine_options(cfg: Config, spec: EngineSpec, n_engines: int) -> dict:
     """The constructor options of an engine that runs in the node process (`build_engine`'s
-    ``options``): its sizing for this run, and the trainer's LoRA adapter; {} for a server,
-    which sizes itself from its own arguments. ``n_engines``: the rollout nodes of the run."""
+    ``options``): its sizing for this run (`engine_sizing`), and the trainer's LoRA adapter; {}
+    for a server, which sizes itself from its own arguments."""
     if spec.is_server:
         return {}
-    # Room for every sequence the staleness semaphore lets run at once, split over the engines
-    # (the engine's default 64 rows would serialise gsm8k's 768 concurrent samples), up to
-    # 1,024 rows: SmolLM2's KV cache for 1,024 rows of gsm8k's 1,537 positions is 36 GB (the
-    # engine grows it lazily where that does not fit).
-    per_engine = -(-cfg.max_concurrent_rollouts * cfg.gconfig.n_samples // max(1, n_engines))
+    rows, positions = engine_sizing(cfg, n_engines)
     # The cache grows on demand up to max_seq_len; agent turns can outgrow prompt + new tokens.
     longest = cfg.data.max_prompt_len + cfg.gconfig.max_new_tokens + 1
     options: dict[str, Any] = {
-        "max_batch_size": max(1, min(1024, per_engine)),
-        "max_seq_len": max(2048, longest),
+        "max_batch_size": rows,
+        "max_seq_len": positions,
         # Decode graphs for every batch size up to that length are captured at start, with the
         # cache at its full size (rows x length; lazily grown if that does not fit).
         "warm_up_len": longest,
