@@ -60,7 +60,9 @@ log = logging.getLogger("arl.trainer")
 
 
 class PPOTrainer:
-    """Composes rollout, training, weight sync, metrics and checkpoints into one loop."""
+    """Composes rollout, training, weight sync, metrics and checkpoints into one loop; the parts
+    live apart: start-up and fan-outs in `arl.control.workers`, the weight checks in
+    `arl.weights.verify`, the metrics rows, progress bar and summary in `arl.stats.progress`."""
 
     def __init__(
         self,
@@ -101,8 +103,7 @@ class PPOTrainer:
         ``data`` is `load_data`'s (train, eval) rows, loaded here when not given."""
         cfg = self.cfg
         loop = asyncio.get_running_loop()
-        model_path = await loop.run_in_executor(None, self.resolve_model)
-        self.model_path = model_path
+        self.model_path = model_path = await loop.run_in_executor(None, self.resolve_model)
         if data is None:
             data = await loop.run_in_executor(None, load_data, cfg)
         rows, self.eval_rows = data
@@ -240,7 +241,7 @@ class PPOTrainer:
         `RunStopped` (`stop_with_checkpoint`)."""
         latest = self.saver.latest()
         written = latest.path if latest is not None and latest.step == self.step else None
-        save = lambda: self.save_recovery(stopped=True)  # noqa: E731
+        save = functools.partial(self.save_recovery, stopped=True)
         grace = self.cfg.recover.stop_grace_s
         await stop_with_checkpoint(self.stop, self.step, written, save, grace)
 
@@ -284,8 +285,7 @@ class PPOTrainer:
         return TrainRanks(self._all, len(self.train_workers))
 
     async def _all(self, method: str, args: list[list] | None = None) -> list:
-        """Call ``method`` on every train rank at once (they run collectives together), within
-        ``actor.call_timeout``."""
+        """`call_all` of ``method`` on the train ranks, within ``actor.call_timeout``."""
         return await call_all(
             self.train_workers,
             method,
@@ -294,7 +294,7 @@ class PPOTrainer:
             wrap=lambda w, call: self.tracer.timed(w.node.node_id, method, call, lane="main"),
         )
 
-    # ---- evaluation, checkpoints, metrics ---------------------------------------------------
+    # ---- checkpoints and the end ------------------------------------------------------------
     async def save_hf(self) -> Path:
         """Export the policy as an HF folder loadable by from_pretrained."""
         path = self.cfg.run_path / "checkpoints" / f"step{self.step}"
