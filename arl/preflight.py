@@ -35,8 +35,8 @@ def check_model(cfg: Config) -> str:
 def check_data(cfg: Config) -> tuple[list[dict], list[dict]]:
     """Load the training split (and the evaluation split when evaluation is on) through
     ``data.loader``, so a missing file or an empty split is found before launch; returns them
-    as `arl.trainer.load_data` does, so the run does not load them again."""
-    from arl.trainer import load_rows
+    as `arl.data.loader.load_data` does, so the run does not load them again."""
+    from arl.data.loader import load_rows
 
     splits = [cfg.data.train_split]
     if cfg.evaluator.freq_steps:

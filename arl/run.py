@@ -15,7 +15,9 @@ from arl.ckpt.stop import StopRequest
 from arl.config import Config
 from arl.control.cluster import start_cluster
 from arl.control.placement import NodeSpec, place
-from arl.trainer import PPOTrainer, load_data
+from arl.data.loader import load_data
+from arl.stats.progress import say_if_slow
+from arl.trainer import PPOTrainer
 
 
 async def run(
@@ -41,5 +43,9 @@ async def run(
             await trainer.setup(data)
             await trainer.train()
         finally:
+            t_end = time.monotonic()
             await trainer.close()
+    # The end of a run should be quick: where it is not (an engine slow to stop, a node slow
+    # to exit), the user sees what took the time.
+    say_if_slow("shutting down (rollout, weight sync, nodes)", time.monotonic() - t_end)
     print(trainer.summary(time.monotonic() - t0), flush=True)  # after the nodes' exit logs

@@ -16,10 +16,10 @@ from arl.config import Config
 from arl.control.controller import NodeLost, NodesNotStarted, RemoteError
 from arl.control.placement import NodeSpec
 from arl.control.rollout import RolloutFailed
+from arl.control.workers import CallTimeout
 from arl.event_loop import run_loop
 from arl.protocol.errors import ErrorKind
 from arl.run import run
-from arl.trainer import CallTimeout
 
 
 def supervise(

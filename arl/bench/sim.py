@@ -187,10 +187,10 @@ class SimTrainer(PPOTrainer):
         """The sim workers load no model: ``actor.path`` is only a name here."""
         return self.cfg.actor.path
 
-    async def _start_rollout_workers(self, model_path: str) -> None:
+    async def _start_workers(self, model_path: str) -> None:
         s = self.spec
 
-        async def one(i: int, p: Any) -> RemoteObject:
+        async def rollout(i: int, p: Any) -> RemoteObject:
             w = await p.handle.create(
                 "arl.bench.sim_objects:SimRolloutWorker",
                 name="rollout",
@@ -203,25 +203,20 @@ class SimTrainer(PPOTrainer):
             await w.setup()
             return w
 
-        workers = await asyncio.gather(*(one(i, p) for i, p in enumerate(self.cluster.rollout)))
-        self.rollout_workers = list(workers)
-
-    async def _start_train_workers(self, model_path: str) -> None:
-        world = len(self.cluster.train)
-        self.train_workers = list(
-            await asyncio.gather(
-                *(
-                    p.handle.create(
-                        "arl.bench.sim_objects:SimTrainWorker",
-                        name="train",
-                        rank=p.spec.rank,
-                        world_size=world,
-                        train_time=self.spec.train_time,
-                    )
-                    for p in self.cluster.train
-                )
+        def train(p: Any) -> Any:
+            return p.handle.create(
+                "arl.bench.sim_objects:SimTrainWorker",
+                name="train",
+                rank=p.spec.rank,
+                world_size=len(self.cluster.train),
+                train_time=s.train_time,
             )
+
+        workers = await asyncio.gather(
+            asyncio.gather(*(rollout(i, p) for i, p in enumerate(self.cluster.rollout))),
+            asyncio.gather(*(train(p) for p in self.cluster.train)),
         )
+        self.rollout_workers, self.train_workers = (list(w) for w in workers)
 
 
 def rss_bytes() -> int:

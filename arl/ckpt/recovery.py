@@ -24,14 +24,18 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import shutil
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import attrs
+
+log = logging.getLogger("arl.ckpt")
 
 
 class CheckpointError(RuntimeError):
@@ -105,6 +109,26 @@ class Saver:
                 f"{_describe(e)}{full}; the partial checkpoint was removed and {kept}"
             ) from e
         self._prune(final.name)
+
+    async def save(
+        self, state: RecoveryState, write_model: Callable[[str], Awaitable[Sequence[int]]]
+    ) -> tuple[Path, float]:
+        """Write ``state`` with the model that ``write_model(folder)`` writes into ``model/``
+        (returning the bytes each writer wrote); returns (its folder, the seconds it took)."""
+        t0 = time.monotonic()
+        async with self.write(state) as path:
+            nbytes = sum(await write_model(str(path / "model")))
+        seconds = time.monotonic() - t0
+        final = self.root / f"step{state.step}"
+        mib = nbytes / 2**20
+        log.info(
+            "recovery checkpoint of step %d: %.1f MiB in %.1f s -> %s",
+            state.step,
+            mib,
+            seconds,
+            final,
+        )
+        return final, seconds
 
     def _latest_name(self) -> str | None:
         pointer = self.root / "latest"

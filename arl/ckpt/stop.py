@@ -8,16 +8,18 @@ setting ``recover.stop_grace_s``) or the run is ended without the checkpoint by
 ``on_expiry``; so is it by a second signal (the launcher's handler decides that).
 
 The launcher's signal handler calls `request`; the trainer calls `arm` when its loop starts
-(a stop before then has nothing to save and ends the run as before), `wait` while it waits for
-rollout, and `done` once the checkpoint is on disk.
+(a stop before then has nothing to save and ends the run as before), waits for rollout through
+`unless_stopped`, and ends with `stop_with_checkpoint`, which calls `done` once the checkpoint
+is on disk.
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any, NoReturn
 
 
 class RunStopped(Exception):
@@ -102,3 +104,53 @@ class StopRequest:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+async def unless_stopped(aw: Awaitable[Any], stop: StopRequest | None) -> Any:
+    """``aw``'s result, or None when ``stop`` is asked for first (``aw`` is cancelled)."""
+    task = asyncio.ensure_future(aw)
+    if stop is None:
+        return await task
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, stopped, return_exceptions=True)
+    return None if task.cancelled() else task.result()
+
+
+async def stop_with_checkpoint(
+    stop: StopRequest,
+    step: int,
+    written: Path | None,
+    save: Callable[[], Awaitable[tuple[Path, float]]],
+    grace_s: float,
+) -> NoReturn:
+    """End a run stopped after ``step``: write its recovery checkpoint with ``save`` (returns
+    its folder and seconds) unless ``written`` already holds this step's, or nothing was
+    trained; then raise `RunStopped` saying where and how long it took. ``grace_s`` is
+    ``recover.stop_grace_s``, named to the user while the checkpoint is written."""
+    how = signal_name(stop.signum)
+    path, seconds = None, 0.0
+    if step == 0:
+        note = f"stopped by {how} before the first step finished: there was nothing to save"
+    elif written is not None:
+        path = written
+        note = f"stopped by {how} after step {step}; its checkpoint is {path}"
+    else:
+        print(
+            f"stopping ({how}): writing the recovery checkpoint of step {step} "
+            f"(within recover.stop_grace_s={grace_s:g}s; a second "
+            "signal ends the run without it)",
+            flush=True,
+        )
+        path, seconds = await save()
+        note = (
+            f"stopped by {how} after step {step}: the recovery checkpoint was written "
+            f"to {path} in {seconds:.1f} s"
+        )
+    stop.done()
+    raise RunStopped(stop.signum, step, path, seconds, note)

@@ -6,8 +6,9 @@ ranks, e / c the bytes of the engine's / trainer's dtype (2 for bf16, the defaul
 ===============  ======================================================================
 engine weights   P x e (/ tp of a server replica)
 KV cache         rows x positions x layers x 2 x kv_heads x head_dim x e, rows and positions
-                 as the trainer sizes the hf engine: rows = min(1024, ceil(concurrent groups x
-                 n_samples / engines)), positions = max(2048, prompt + new tokens + 1)
+                 as `arl.engines.spec.engine_sizing` sizes an engine: rows = min(1024,
+                 ceil(concurrent groups x n_samples / engines)), positions = max(2048,
+                 prompt + new tokens + 1)
 trainer weights  one rank, full fine-tune in 16-bit: 4P fp32 masters + cP copy; LoRA: cP base +
                  4A adapters; FSDP: 4P / w (+ two gathered layers in the train phase)
 gradients        4T fp32 (+ cT of the 16-bit copy's, held between steps with CUDA graphs)
@@ -43,6 +44,7 @@ import attrs
 
 from arl.config import Config, ConfigError, apply_overrides
 from arl.config.tree import get_key
+from arl.engines.spec import engine_sizing
 from arl.train.activations import activation_bytes_per_token
 
 if TYPE_CHECKING:
@@ -348,10 +350,7 @@ def _engine_parts(
 ) -> list[Part]:
     e = _dtype_bytes(cfg.rollout.dtype)
     lora = cfg.actor.lora
-    n_engines = max(1, sum(n.role == "rollout" for n in plan))
-    per_engine = -(-cfg.max_concurrent_rollouts * cfg.gconfig.n_samples // n_engines)
-    rows = max(1, min(1024, per_engine))
-    positions = max(2048, cfg.data.max_prompt_len + cfg.gconfig.max_new_tokens + 1)
+    rows, positions = engine_sizing(cfg, sum(n.role == "rollout" for n in plan))
     tp = node.tp_size
     sleeps = shared and cfg.rollout.gpu_sharing == "sleep"
     weights = (shape.n_params() + shape.lora_params(lora.rank, lora.target_modules)) * e // tp

@@ -1,10 +1,35 @@
-"""`StatefulLoader`: batches of rows in shuffled epochs, resumable at the exact position."""
+"""A run's dataset rows (`load_data`, through ``data.loader``) and `StatefulLoader`: batches of
+them in shuffled epochs, resumable at the exact position."""
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Iterator, Sequence
 from typing import Any
+
+from arl.config import Config
+from arl.protocol.imports import resolve_import
+
+log = logging.getLogger("arl.data")
+
+
+def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
+    """The training rows, and the evaluation rows (none without ``evaluator.freq_steps``)."""
+    rows = load_rows(cfg, cfg.data.train_split)
+    if not cfg.evaluator.freq_steps:
+        return rows, []
+    return rows, load_rows(cfg, cfg.data.eval_split)[: cfg.evaluator.max_questions or None]
+
+
+def load_rows(cfg: Config, split: str) -> list[dict]:
+    """Dataset rows of ``split`` through ``data.loader`` (rows carry chat ``messages``)."""
+    loader = resolve_import(cfg.data.loader, tuple(cfg.cluster.allowed_import_prefixes))
+    rows, stats = loader(cfg.data.path, split, cfg.data.on_bad_row)
+    skipped = stats.skipped if hasattr(stats, "skipped") else stats.get("skipped", 0)
+    if skipped:
+        log.warning("%s/%s: skipped %d malformed rows", cfg.data.path, split, skipped)
+    return rows
 
 
 class StatefulLoader:

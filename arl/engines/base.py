@@ -58,6 +58,14 @@ class WeightTarget(enum.Enum):
     DIRECTORY = "directory"  # `update_weights_from_disk(path)`: an HF safetensors folder
 
 
+class WeightCheck(enum.Enum):
+    """How a sync into an engine is verified (``weight_sync.verify``); each engine declares one
+    in `Engine.weight_check`, and `arl.weights.verify` picks the check by it."""
+
+    CHECKSUM = "checksum"  # `weights_checksum()` equals the trainer's, exactly
+    PROBE = "probe"  # `score()` of a fixed probe sequence stays near the trainer's score of it
+
+
 class WeightTargetError(TypeError):
     """An engine was handed weights through a target it does not declare."""
 
@@ -82,7 +90,7 @@ class Engine(Protocol):
     ``in_place`` keeps them where `pause_in_place` says the engine can. Weights: the engine
     declares `weight_targets`; updates through a target happen only while paused, and a target
     not declared raises `WeightTargetError`. `score` and `weights_checksum` let the trainer
-    verify a sync.
+    verify a sync, by the check the engine declares in `weight_check`.
     """
 
     name: ClassVar[str]
@@ -94,6 +102,8 @@ class Engine(Protocol):
     can_sleep: ClassVar[bool]
     # Whether the engine serves a LoRA adapter on its base model (actor.lora.rank > 0).
     serves_lora: ClassVar[bool]
+    # How a sync into it is verified: by checksum, or by scoring a probe where it has none.
+    weight_check: ClassVar[WeightCheck]
     version: int
 
     @classmethod

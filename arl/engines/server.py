@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import aiohttp
 
-from arl.engines.base import WeightTarget, refuse_target
+from arl.engines.base import WeightCheck, WeightTarget, refuse_target
 from arl.process import OwnedProcess, spawn
 from arl.protocol.errors import ErrorKind
 from arl.wire.addresses import free_port as free_port  # re-exported for the server engines
@@ -285,6 +285,8 @@ class HttpServerEngine:
     # each when its command line enabled it (`EngineSpec.sleep_mode`, `EngineSpec.lora_rank`).
     can_sleep: ClassVar[bool] = True
     serves_lora: ClassVar[bool] = True
+    # A server exposes no weights to checksum: it scores the probe (`weights_checksum` is None).
+    weight_check: ClassVar[WeightCheck] = WeightCheck.PROBE
     version: int
 
     def __init__(

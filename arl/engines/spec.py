@@ -5,7 +5,8 @@ an `EngineSpec` on the launcher side: the engine's registered name, the model, t
 dtype, the seed, the tensor-parallel size (the ``t`` of ``vllm:d2t2``), and for the server
 engines the interpreter, the extra server arguments and the start timeout. The spec travels to
 the node as a plain msgpack map (`to_wire` / `from_wire`) and becomes an engine there through
-the class registered under its name in `ENGINES` (`build_engine`).
+the class registered under its name in `ENGINES` (`build_engine`). An engine that runs in the
+node process also gets its sizing for the run (`engine_options`: rows, length, warm-up).
 
 For the server engines `server_command(spec)` is the exact command line the node will run,
 which ``--dry-run`` prints. The flags arl derives from the spec (model, host, port, dtype,
@@ -157,6 +158,40 @@ def engine_spec(
             f"{cfg.rollout.backend!r} starts no server; remove them or use vllm/sglang"
         )
     return spec
+
+
+def engine_sizing(cfg: Config, n_engines: int) -> tuple[int, int]:
+    """(rows, positions) of the KV cache an engine is sized for with ``n_engines`` rollout
+    nodes: room for every sequence the staleness semaphore lets run at once, split over the
+    engines (the hf engine's default 64 rows would serialise gsm8k's 768 concurrent samples), up
+    to 1,024 rows (SmolLM2's KV cache for 1,024 rows of gsm8k's 1,537 positions is 36 GB; the hf
+    engine grows it lazily where that does not fit); and the longest prompt plus completion, at
+    least 2,048 positions. The memory plan counts the same."""
+    per_engine = -(-cfg.max_concurrent_rollouts * cfg.gconfig.n_samples // max(1, n_engines))
+    positions = max(2048, cfg.data.max_prompt_len + cfg.gconfig.max_new_tokens + 1)
+    return max(1, min(1024, per_engine)), positions
+
+
+def engine_options(cfg: Config, spec: EngineSpec, n_engines: int) -> dict:
+    """The constructor options of an engine that runs in the node process (`build_engine`'s
+    ``options``): its sizing for this run (`engine_sizing`), and the trainer's LoRA adapter; {}
+    for a server, which sizes itself from its own arguments."""
+    if spec.is_server:
+        return {}
+    rows, positions = engine_sizing(cfg, n_engines)
+    # The cache grows on demand up to max_seq_len; agent turns can outgrow prompt + new tokens.
+    longest = cfg.data.max_prompt_len + cfg.gconfig.max_new_tokens + 1
+    options: dict[str, Any] = {
+        "max_batch_size": rows,
+        "max_seq_len": positions,
+        # Decode graphs for every batch size up to that length are captured at start, with the
+        # cache at its full size (rows x length; lazily grown if that does not fit).
+        "warm_up_len": longest,
+        "decode_attention": cfg.rollout.hf_decode_attention,
+    }
+    if cfg.actor.lora.rank > 0:  # the trainer's adapters, served on the base
+        options["lora"] = attrs.asdict(cfg.actor.lora)
+    return options
 
 
 def check_engine_support(spec: EngineSpec) -> None:

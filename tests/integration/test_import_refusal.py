@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from arl.config import Config, ConfigError, apply_overrides
+from arl.data.loader import load_rows
 from arl.node.daemon import ImportRefused
 from arl.protocol.errors import ErrorKind, RemoteError
-from arl.trainer import load_rows
 from tests.support.cluster import local_cluster
 
 REPO = Path(__file__).resolve().parents[2]

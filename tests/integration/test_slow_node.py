@@ -1,7 +1,7 @@
 """A slow node: it answers heartbeats, but a call takes far longer than its deadline.
 
-- Training calls run within ``actor.call_timeout`` (`arl.trainer.call_all`): past it the run
-  stops with `CallTimeout` naming the node and the call, instead of waiting forever.
+- Training calls run within ``actor.call_timeout`` (`arl.control.workers.call_all`): past it
+  the run stops with `CallTimeout` naming the node and the call, instead of waiting forever.
 - A prompt group runs within ``rollout.group_timeout`` on its node: past it the group is
   cancelled there (nothing is stored), counted in ``rollout/timed_out``, and rollout goes on
   (AReaL's per-request timeout plays the same part).
@@ -16,11 +16,11 @@ import pytest
 
 from arl.control.rollout import RolloutController
 from arl.control.staleness import StalenessSemaphore
+from arl.control.workers import CallTimeout, call_all
 from arl.data.arith import make_arith
 from arl.data.loader import StatefulLoader
 from arl.node.rollout import data_id
 from arl.protocol.errors import RemoteError
-from arl.trainer import CallTimeout, call_all
 from tests.support.cluster import local_cluster
 from tests.support.tiny_model import make_tiny_model
 

@@ -19,11 +19,10 @@ from pathlib import Path
 import pytest
 
 from arl.config import apply_overrides
-from arl.data.loader import StatefulLoader
+from arl.data.loader import StatefulLoader, load_rows
 from arl.node.rollout import data_id
 from arl.recipe import load_recipe
 from arl.stats.logger import read_jsonl
-from arl.trainer import load_rows
 from tests.support.tiny_model import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]

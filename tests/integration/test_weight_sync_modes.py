@@ -179,10 +179,11 @@ def test_alternate_gpu_sharing_holds_generation_in_place_while_training(
     steps; the sync inside the hold still aborts the held rows when ``weight_sync.in_place`` is
     false. The CPU plan has no GPUs to share, so `shares_gpu` is told the engine shares one;
     the nodes, the engine and the syncs are real."""
+    import arl.control.workers as workers_mod
     import arl.trainer as trainer_mod
     from arl.control.rollout import RolloutController
 
-    monkeypatch.setattr(trainer_mod, "shares_gpu", lambda spec, train: spec.role == "rollout")
+    monkeypatch.setattr(workers_mod, "shares_gpu", lambda spec, train: spec.role == "rollout")
     seen: list[tuple[dict, dict]] = []
     at_sync: list[dict] = []
     train_step = trainer_mod.PPOTrainer.train_step
@@ -241,7 +242,7 @@ def test_alternate_gpu_sharing_holds_generation_in_place_while_training(
 
 def test_only_engines_on_a_train_ranks_gpu_share_it():
     """Two engines and one train rank on two GPUs: the engine on the other GPU is not held."""
-    from arl.trainer import shares_gpu
+    from arl.control.placement import shares_gpu
 
     plan = plan_placement(_cfg("rollout.backend=hf:d2", "actor.backend=fsdp:d1"), n_gpus=2)
     train = [n for n in plan if n.role == "train"]

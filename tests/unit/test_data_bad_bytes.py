@@ -8,7 +8,7 @@ import pytest
 
 from arl.config import Config, apply_overrides
 from arl.data.gsm8k import DatasetError, load_gsm8k
-from arl.trainer import load_rows
+from arl.data.loader import load_rows
 
 
 def _write(directory, lines: list[bytes]) -> None:

@@ -6,11 +6,14 @@ import inspect
 
 import pytest
 
-from arl.engines.base import Engine, WeightTarget, WeightTargetError
+from arl.engines.base import Engine, WeightCheck, WeightTarget, WeightTargetError
 from arl.engines.hf import HFEngine
 from arl.engines.spec import ENGINES, engine_class
 
-DATA_MEMBERS = ("name", "weight_targets", "pause_in_place", "can_sleep", "serves_lora", "version")
+DATA_MEMBERS = (
+    *("name", "weight_targets", "pause_in_place", "can_sleep", "serves_lora", "weight_check"),
+    "version",
+)
 
 
 def protocol_methods() -> dict[str, object]:
@@ -54,7 +57,7 @@ def test_the_protocol_lists_the_whole_contract() -> None:
         *("wait_failed", "agenerate"),
         *("pause", "resume", "set_version", "health", "weights_device", "update_weights"),
         *("update_weights_from_disk", "weights_checksum", "score", "from_spec"),
-        *("can_sleep", "serves_lora", "sleep", "wake"),
+        *("can_sleep", "serves_lora", "sleep", "wake", "weight_check"),
     }
 
 
@@ -66,6 +69,7 @@ def test_every_registered_engine_implements_the_contract(name: str) -> None:
     assert cls.weight_targets and all(isinstance(t, WeightTarget) for t in cls.weight_targets)
     assert isinstance(cls.pause_in_place, bool)
     assert isinstance(cls.can_sleep, bool) and isinstance(cls.serves_lora, bool)
+    assert isinstance(cls.weight_check, WeightCheck)
     drop = inspect.signature(cls.sleep).parameters.get("drop_weights")
     assert drop is not None and drop.default is False
     # Callers pass the mode to every engine; one that cannot keep requests aborts them.
@@ -73,7 +77,9 @@ def test_every_registered_engine_implements_the_contract(name: str) -> None:
     assert in_place is not None and in_place.default is False
 
 
-CLASS_MEMBERS = ("name", "weight_targets", "pause_in_place", "can_sleep", "serves_lora")
+CLASS_MEMBERS = (
+    *("name", "weight_targets", "pause_in_place", "can_sleep", "serves_lora", "weight_check"),
+)
 
 
 @pytest.mark.parametrize("member", [*sorted(protocol_methods()), *CLASS_MEMBERS[1:]])
@@ -97,6 +103,13 @@ def test_declared_weight_targets() -> None:
     assert engine_class("hf").weight_targets == {WeightTarget.TENSORS, WeightTarget.DIRECTORY}
     assert engine_class("vllm").weight_targets == {WeightTarget.DIRECTORY}
     assert engine_class("sglang").weight_targets == {WeightTarget.DIRECTORY}
+
+
+def test_declared_weight_checks() -> None:
+    """hf checksums its weights; a server has none to checksum and scores the probe."""
+    assert engine_class("hf").weight_check is WeightCheck.CHECKSUM
+    assert engine_class("vllm").weight_check is WeightCheck.PROBE
+    assert engine_class("sglang").weight_check is WeightCheck.PROBE
 
 
 def test_only_the_hf_engine_keeps_requests_in_place_across_a_pause() -> None:

@@ -13,7 +13,14 @@ import torch
 from arl.config import Config, ConfigError, apply_overrides
 from arl.control.placement import plan_placement
 from arl.engines.sglang import SGLangEngine
-from arl.engines.spec import EngineSpec, build_engine, describe, engine_spec, server_command
+from arl.engines.spec import (
+    EngineSpec,
+    build_engine,
+    describe,
+    engine_options,
+    engine_spec,
+    server_command,
+)
 from arl.engines.vllm import VLLMEngine
 from tests.support.tiny_model import make_tiny_model
 
@@ -139,3 +146,27 @@ def test_the_server_process_gets_the_spec_flags(tiny_model):
     assert argv[argv.index("--tp-size") + 1] == "2"
     assert argv[argv.index("--random-seed") + 1] == "9"
     assert argv[argv.index("--model-path") + 1] == tiny_model
+
+
+def test_an_in_process_engine_is_sized_for_the_run_and_a_server_sizes_itself():
+    """`engine_options`: rows for every concurrent sample split over the engines (at most
+    1,024), a length for the longest prompt plus completion (at least 2,048), the adapter."""
+    cfg = apply_overrides(
+        Config(),
+        [
+            "rollout.max_concurrent_rollouts=300",
+            "gconfig.n_samples=8",
+            "data.max_prompt_len=3000",
+            "gconfig.max_new_tokens=1000",
+            "actor.lora.rank=4",
+        ],
+    )
+    hf = EngineSpec(name="hf", model_path="/m")
+    one, three = engine_options(cfg, hf, 1), engine_options(cfg, hf, 3)
+    assert (one["max_batch_size"], three["max_batch_size"]) == (1024, 800)  # 2,400 / 3
+    assert one["max_seq_len"] == one["warm_up_len"] == 4001
+    assert one["lora"]["rank"] == 4 and one["decode_attention"] == "auto"
+    short = engine_options(apply_overrides(Config(), ["gconfig.max_new_tokens=8"]), hf, 1)
+    assert short["max_seq_len"] == 2048 and short["warm_up_len"] == 512 + 8 + 1
+    assert "lora" not in short
+    assert engine_options(cfg, EngineSpec(name="vllm", model_path="/m"), 1) == {}

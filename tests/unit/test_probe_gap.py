@@ -1,11 +1,11 @@
-"""`probe_gap`: the statistics the server weight check compares (see `verify_weights`)."""
+"""`probe_gap`: the statistics the server weight check compares (see `arl.weights.verify`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from arl.trainer import probe_gap
 from arl.weights import WeightSyncError
+from arl.weights.verify import probe_gap
 
 
 def test_shift_is_the_mean_difference_and_spread_the_mean_absolute_one() -> None:

@@ -90,6 +90,6 @@ def _string_constants(path: Path) -> set[str]:
 
 def test_the_trainer_and_the_placement_name_no_mode():
     root = Path(arl.__file__).parent
-    for rel in ("trainer.py", "control/placement.py"):
+    for rel in ("trainer.py", "control/workers.py", "control/placement.py"):
         named = _string_constants(root / rel) & set(MODES)
         assert not named, f"{rel} names weight-sync modes {named}: use the arl.weights registry"

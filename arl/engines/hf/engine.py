@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from arl.compile_cache import use_compile_cache
-from arl.engines.base import FinishReason, GenerationResult, SamplingParams, WeightTarget
+from arl.engines.base import (
+    FinishReason,
+    GenerationResult,
+    SamplingParams,
+    WeightCheck,
+    WeightTarget,
+)
 from arl.engines.hf.attention import cache_kwarg, compile_norm_and_mlp, register_attention
 from arl.engines.hf.errors import (
     EngineAsleepError,
@@ -86,6 +92,7 @@ class HFEngine:
     pause_in_place: ClassVar[bool] = True
     can_sleep: ClassVar[bool] = True
     serves_lora: ClassVar[bool] = True
+    weight_check: ClassVar[WeightCheck] = WeightCheck.CHECKSUM
     version: int
 
     def __init__(
