@@ -195,7 +195,7 @@ class RolloutConfig:
     )
     filter: str = _f(
         "",
-        "accept function on finished groups, module:attribute (info dict -> bool), e.g. "
+        "accept function on finished groups, module:attribute (a GroupReport -> bool), e.g. "
         "arl.filters:nonconstant_reward (DAPO dynamic sampling); empty: accept all",
     )
     max_consecutive_rejections: int = _f(
