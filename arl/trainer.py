@@ -255,11 +255,12 @@ class PPOTrainer:
         cfg = self.cfg
         sampling = {k: v for k, v in attrs.asdict(cfg.gconfig).items() if k != "n_samples"}
 
-        agent = {}
+        agent = {"workflow_kwargs": dict(cfg.rollout.workflow_args)}
         if cfg.rollout.agent:  # the agent workflow (arl.workflows.agent)
             trajectory = {"trajectory": cfg.rollout.agent_trajectory}
             discount = {"turn_discount": cfg.rollout.turn_discount}
             agent = {"agent": cfg.rollout.agent, "workflow_kwargs": {**trajectory, **discount}}
+            agent["workflow_kwargs"].update(cfg.rollout.workflow_args)
 
         n_engines = max(1, len(self.cluster.rollout))
 
