@@ -39,9 +39,12 @@ def _type_problem(value: Any, tp: Any) -> str:
             return f"expected {type_name(tp)}, got an item {show_value(bad[0])} ({_got(bad[0])})"
         return ""
     if origin is dict:  # rollout.workflow_args: sent to the node, so plain data only
-        if type(value) is not dict or not all(type(k) is str for k in value):
-            return f"expected a map with str keys, got {_got(value)}"
-        bad = [v for v in value.values() if not _plain_data(v)]
+        if type(value) is not dict:
+            return f"expected a map, got {_got(value)}"
+        keys = [k for k in value if type(k) is not str]
+        if keys:  # YAML reads a bare on/yes/1 as a bool or an int: quote it
+            return f"keys must be str, got {show_value(keys[0])} ({_got(keys[0])}); quote it"
+        bad = _not_plain(value)
         return f"expected plain data, got {show_value(bad[0])} ({_got(bad[0])})" if bad else ""
     if tp is float:
         # Exact types: a subclass (numpy.float64) would pass here and then fail to save.
@@ -57,13 +60,16 @@ def _type_problem(value: Any, tp: Any) -> str:
     return ""  # pragma: no cover - every field type is above
 
 
-def _plain_data(value: Any) -> bool:
-    """Whether ``value`` is str, int, float, bool, none, or lists and str-keyed maps of them."""
+def _not_plain(value: Any) -> list[Any]:
+    """The values inside ``value`` that are not str, int, float, bool, none, or lists and
+    str-keyed maps of them (empty: it is plain data, which msgpack and YAML carry)."""
     if value is None or type(value) in (str, int, float, bool):
-        return True
+        return []
     if type(value) in (list, tuple):
-        return all(_plain_data(v) for v in value)
-    return type(value) is dict and all(type(k) is str and _plain_data(v) for k, v in value.items())
+        return [bad for v in value for bad in _not_plain(v)]
+    if type(value) is dict and all(type(k) is str for k in value):
+        return [bad for v in value.values() for bad in _not_plain(v)]
+    return [value]
 
 
 def _got(value: Any) -> str:
