@@ -98,7 +98,7 @@ class ClusterConfig:
         "local: spawn nodes as subprocesses; slurm: start them with srun inside an allocation; "
         "ray: place them as actors on a Ray cluster; attach: wait for externally started nodes "
         "(a program that drives the controller itself builds it: examples/embedded.py)",
-        rule=OneOf("arl.control.cluster:LAUNCHERS"),
+        rule=OneOf("arl.control.launchers:LAUNCHERS"),
     )
     n_nodes: int | None = _f(
         None,

@@ -5,7 +5,7 @@ class, and rollout.workflow_args must be keywords the workflow takes."""
 
 import pytest
 
-import arl.control.cluster
+import arl.control.launchers
 import arl.engines.spec
 import arl.weights
 from arl.config import Config, ConfigError, apply_overrides, from_yaml, help_text, to_yaml
@@ -13,7 +13,7 @@ from arl.config import Config, ConfigError, apply_overrides, from_yaml, help_tex
 PLUGINS = [  # registry, the config key that names one, how the key is written
     (arl.engines.spec.ENGINES, "rollout.backend", "{}:d1"),
     (arl.weights.MODES, "weight_sync.mode", "{}"),
-    (arl.control.cluster.LAUNCHERS, "cluster.launcher", "{}"),
+    (arl.control.launchers.LAUNCHERS, "cluster.launcher", "{}"),
 ]
 
 
