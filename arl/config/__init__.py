@@ -7,7 +7,7 @@ overrides with `apply_overrides` (`overrides`), checks the result with `Config.v
 placement is written as backend strings, `parse_backend` (`backend`).
 """
 
-from arl.config.backend import ROLLOUT_ENGINES, TRAIN_ENGINES, Backend, parse_backend
+from arl.config.backend import TRAIN_ENGINES, Backend, engine_names, parse_backend
 from arl.config.files import converter, from_yaml, help_text, load_yaml, save_resolved, to_yaml
 from arl.config.overrides import apply_overrides, convert_value
 from arl.config.tree import (
@@ -35,7 +35,6 @@ from arl.config.tree import (
 from arl.config.validate import import_problem, type_problems, validation_problems
 
 __all__ = [
-    "ROLLOUT_ENGINES",
     "TRAIN_ENGINES",
     "ActorConfig",
     "LoraConfig",
@@ -61,6 +60,7 @@ __all__ = [
     "converter",
     "field_keys",
     "from_yaml",
+    "engine_names",
     "get_key",
     "help_text",
     "import_problem",

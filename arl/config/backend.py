@@ -5,15 +5,28 @@ from typing import Literal
 
 import attrs
 
+from arl.config.rules import registry_names
 from arl.config.tree import ConfigError
 
-ROLLOUT_ENGINES = ("hf", "vllm", "sglang")
+# The rollout engines are the registry's (`arl.engines.spec.ENGINES`, read when asked: the
+# engines import this package); the train engine runs in `arl.node.train`, the one there is.
+ROLLOUT_REGISTRY = "arl.engines.spec:ENGINES"
 TRAIN_ENGINES = ("fsdp",)
-_BACKEND_FORMAT = (
-    "expected ENGINE:SPEC such as sglang:d4t2, vllm:d2, hf:d1 or fsdp:d4 (ENGINE: hf, vllm or "
-    "sglang for rollout, fsdp for training; SPEC: d data, t tensor, p pipeline parallel sizes, "
-    "each letter at most once with a positive integer, a missing one is 1)"
-)
+
+
+def engine_names(role: Literal["rollout", "train"] | None) -> tuple[str, ...]:
+    """The engines a backend string of ``role`` may name (None: either role)."""
+    rollout = tuple(registry_names(ROLLOUT_REGISTRY))
+    return {"rollout": rollout, "train": TRAIN_ENGINES, None: rollout + TRAIN_ENGINES}[role]
+
+
+def _backend_format() -> str:
+    return (
+        "expected ENGINE:SPEC such as sglang:d4t2, vllm:d2, hf:d1 or fsdp:d4 (ENGINE: "
+        f"{', '.join(engine_names('rollout'))} for rollout, {', '.join(TRAIN_ENGINES)} for "
+        "training; SPEC: d data, t tensor, p pipeline parallel sizes, each letter at most once "
+        "with a positive integer, a missing one is 1)"
+    )
 
 
 @attrs.frozen
@@ -38,28 +51,24 @@ def parse_backend(s: str, role: Literal["rollout", "train"] | None = None) -> Ba
     """Parse ``ENGINE:SPEC`` such as ``sglang:d4t2``; ``role`` restricts the engines allowed."""
     m = re.fullmatch(r"([a-z]+)(?::((?:[a-z]\d+)+))?", s.strip())
     if m is None:
-        raise ConfigError(f"backend {s!r} is malformed: {_BACKEND_FORMAT}")
+        raise ConfigError(f"backend {s!r} is malformed: {_backend_format()}")
     engine, spec = m.group(1), m.group(2) or ""
-    allowed = {
-        "rollout": ROLLOUT_ENGINES,
-        "train": TRAIN_ENGINES,
-        None: ROLLOUT_ENGINES + TRAIN_ENGINES,
-    }[role]
+    allowed = engine_names(role)
     if engine not in allowed:
-        if role and engine in ROLLOUT_ENGINES + TRAIN_ENGINES:
+        if role and engine in engine_names(None):
             raise ConfigError(
                 f"backend {s!r}: {engine!r} is not a {role} engine; use one of {', '.join(allowed)}"
             )
-        raise ConfigError(f"backend {s!r}: unknown engine {engine!r}; {_BACKEND_FORMAT}")
+        raise ConfigError(f"backend {s!r}: unknown engine {engine!r}; {_backend_format()}")
     sizes = {"d": 1, "t": 1, "p": 1}
     seen: set[str] = set()
     for letter, digits in re.findall(r"([a-z])(\d+)", spec):
         if letter not in sizes:
-            raise ConfigError(f"backend {s!r}: unknown letter {letter!r}; {_BACKEND_FORMAT}")
+            raise ConfigError(f"backend {s!r}: unknown letter {letter!r}; {_backend_format()}")
         if letter in seen:
-            raise ConfigError(f"backend {s!r}: {letter!r} given twice; {_BACKEND_FORMAT}")
+            raise ConfigError(f"backend {s!r}: {letter!r} given twice; {_backend_format()}")
         if int(digits) < 1:
-            raise ConfigError(f"backend {s!r}: {letter}{digits} must be >= 1; {_BACKEND_FORMAT}")
+            raise ConfigError(f"backend {s!r}: {letter}{digits} must be >= 1; {_backend_format()}")
         seen.add(letter)
         sizes[letter] = int(digits)
     b = Backend(engine, dp=sizes["d"], tp=sizes["t"], pp=sizes["p"])

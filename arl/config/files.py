@@ -8,6 +8,7 @@ import attrs
 import cattrs
 import yaml
 
+from arl.config.rules import BackendString, OneOf, Range
 from arl.config.tree import Config, ConfigError, field_keys, get_key
 from arl.config.validate import show_value, type_name
 
@@ -98,5 +99,20 @@ def help_text(cfg: Config | None = None) -> str:
             if not key.startswith(section.name + "."):
                 continue
             default = show_value(get_key(cfg, key), quote=False)
-            lines.append(f"  {key} ({type_name(field.type)}, {default}): {field.metadata['help']}")
+            kind, bound = _shown_rule(field)
+            lines.append(f"  {key} ({kind}, {default}): {field.metadata['help']}{bound}")
     return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _shown_rule(field: attrs.Attribute) -> tuple[str, str]:
+    """A field's type as --help shows it (a plug-in's names from its registry) and what its
+    rule allows, where the help does not say it already."""
+    rule, kind = field.metadata.get("rule"), type_name(field.type)
+    if isinstance(rule, OneOf):
+        return "|".join(rule.choices()), ""
+    if isinstance(rule, Range):
+        optional = " or none" if type(None) in get_args(field.type) else ""
+        return kind, f"; {rule.describe()}{optional}"
+    if isinstance(rule, BackendString):
+        return kind, f"; {rule.describe()}"
+    return kind, ""

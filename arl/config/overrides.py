@@ -8,8 +8,10 @@ import types
 from typing import Any, Literal, Union, get_args, get_origin
 
 import attrs
+import yaml
 
 from arl.config.backend import parse_backend
+from arl.config.rules import BackendString
 from arl.config.tree import Config, ConfigError, field_keys
 from arl.config.validate import show_value, type_name
 
@@ -75,6 +77,14 @@ def convert_value(text: str, tp: Any) -> Any:
         if text not in [str(a) for a in args]:
             raise ValueError(f"choose one of {', '.join(str(a) for a in args)}")
         return next(a for a in args if str(a) == text)
+    if origin is dict:
+        try:
+            value = yaml.safe_load(text) if text.strip() else {}
+        except yaml.YAMLError:
+            raise ValueError("not a map such as {name: value, other: 2}") from None
+        if not isinstance(value, dict):
+            raise ValueError("not a map such as {name: value, other: 2}")
+        return value
     if origin in (list, tuple):
         items = [convert_value(item, args[0]) for item in _split_list(text)]
         return items if origin is list else tuple(items)
@@ -129,9 +139,10 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
             raise ConfigError(
                 f"config key {key!r}: cannot use {text!r}, expected {type_name(field.type)} ({e})"
             ) from None
-        if key.endswith(".backend"):
+        rule = field.metadata.get("rule")
+        if isinstance(rule, BackendString):  # checked here too, to name the override at fault
             try:
-                parse_backend(value, "rollout" if key.startswith("rollout.") else "train")
+                parse_backend(value, rule.role)  # type: ignore[arg-type]
             except ConfigError as e:
                 raise ConfigError(f"config key {key!r}: {e}") from None
         *path, name = key.split(".")

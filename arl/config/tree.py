@@ -1,13 +1,29 @@
 """The configuration tree: one attrs class per section, `Config` holding them all, and the
 dotted keys (``section.field``) that overrides, validation and ``--help`` address them by.
 
-Every field carries ``metadata={"help": ...}``, which `arl.config.files.help_text` prints.
+Every field carries ``metadata={"help": ...}``, which `arl.config.files.help_text` prints,
+and most a ``"rule"`` on its value (`arl.config.rules`), which validation checks and ``--help``
+shows. Plug-in fields (``cluster.launcher``, ``weight_sync.mode``, the engines of the backend
+strings) are names checked against their plug-in's registry.
 """
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import attrs
+
+from arl.config.rules import (
+    BackendString,
+    Holds,
+    ImportPath,
+    OneOf,
+    Range,
+    Rule,
+    at_least_0,
+    positive,
+    unit,
+)
 
 MiB = 2**20
 
@@ -16,11 +32,31 @@ class ConfigError(ValueError):
     """A configuration problem the user can fix; the message says what and how."""
 
 
-def _f(default: Any = attrs.NOTHING, help: str = "", *, factory: Any = None) -> Any:
-    """An attrs field with its --help text."""
+def _f(
+    default: Any = attrs.NOTHING, help: str = "", *, factory: Any = None, rule: Rule | None = None
+) -> Any:
+    """An attrs field with its --help text and the rule its value must keep, if any."""
+    metadata = {"help": help, "rule": rule}
     if factory is not None:
-        return attrs.field(factory=factory, metadata={"help": help})
-    return attrs.field(default=default, metadata={"help": help})
+        return attrs.field(factory=factory, metadata=metadata)
+    return attrs.field(default=default, metadata=metadata)
+
+
+def _plain_name(v: str) -> bool:
+    return bool(v) and "/" not in v and v not in (".", "..")
+
+
+_PREFIX = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\.?")
+
+
+def _prefixes(prefixes: list[str]) -> bool:
+    return bool(prefixes) and all(_PREFIX.fullmatch(p) for p in prefixes)
+
+
+_MPS_FLOOR = (
+    "on an H200 the hf engine held to 30% decoded garbage (NaN log-probs, every completion at "
+    "max_new_tokens) while 50% decoded correctly"
+)
 
 
 Norm = Literal["group", "batch", "none"]
@@ -30,16 +66,26 @@ Norm = Literal["group", "batch", "none"]
 class ExperimentConfig:
     """Names the run and where its files go."""
 
-    name: str = _f("arl", "experiment name; the run directory is run_dir/name/trial")
-    trial: str = _f("trial0", "trial name within the experiment")
+    name: str = _f(
+        "arl",
+        "experiment name; the run directory is run_dir/name/trial",
+        rule=Holds(_plain_name, "must be a plain name"),
+    )
+    trial: str = _f(
+        "trial0",
+        "trial name within the experiment",
+        rule=Holds(_plain_name, "must be a plain name"),
+    )
     run_dir: str = _f("runs", "root directory for runs (config, checkpoints, logs, metrics)")
     overwrite: bool = _f(
         False,
         "replace an earlier run in run_dir/name/trial: its files are moved to "
         "trial.replaced-<UTC time>/ beside it (without this, a finished run there is refused)",
     )
-    seed: int = _f(1, "random seed for data order, sampling and initialisation")
-    total_train_steps: int = _f(3, "number of training steps (policy updates) to run")
+    seed: int = _f(1, "random seed for data order, sampling and initialisation", rule=at_least_0())
+    total_train_steps: int = _f(
+        3, "number of training steps (policy updates) to run", rule=positive()
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = _f("INFO", "logging level")
 
 
@@ -47,22 +93,38 @@ class ExperimentConfig:
 class ClusterConfig:
     """How node daemons are started and how they reach the controller."""
 
-    launcher: Literal["local", "slurm", "ray", "attach"] = _f(
+    launcher: str = _f(
         "local",
         "local: spawn nodes as subprocesses; slurm: start them with srun inside an allocation; "
         "ray: place them as actors on a Ray cluster; attach: wait for externally started nodes "
         "(a program that drives the controller itself builds it: examples/embedded.py)",
+        rule=OneOf("arl.control.launchers:LAUNCHERS"),
     )
     n_nodes: int | None = _f(
-        None, "nodes the run has; must equal the placement plan's count (none: the plan's)"
+        None,
+        "nodes the run has; must equal the placement plan's count (none: the plan's)",
+        rule=positive(),
     )
     controller_host: str = _f("127.0.0.1", "address the controller binds and nodes connect to")
-    controller_port: int = _f(0, "controller port (0: pick a free port)")
-    heartbeat_interval: float = _f(1.0, "seconds between heartbeats, both ways")
-    heartbeat_timeout: float = _f(10.0, "seconds of silence after which a node is lost")
-    node_start_timeout: float = _f(120.0, "seconds to wait for all nodes to say hello")
+    controller_port: int = _f(
+        0,
+        "controller port (0: pick a free port)",
+        rule=Range(lo=0, hi=65535, text="must be 0..65535"),
+    )
+    heartbeat_interval: float = _f(1.0, "seconds between heartbeats, both ways", rule=positive())
+    heartbeat_timeout: float = _f(
+        10.0, "seconds of silence after which a node is lost", rule=positive(inf=True)
+    )
+    node_start_timeout: float = _f(
+        120.0, "seconds to wait for all nodes to say hello", rule=positive(inf=True)
+    )
     allowed_import_prefixes: list[str] = _f(
-        help="module prefixes a node may import engine objects from", factory=lambda: ["arl."]
+        help="module prefixes a node may import engine objects from",
+        factory=lambda: ["arl."],
+        rule=Holds(
+            _prefixes,
+            "needs at least one prefix, each a dotted module name such as arl or myorg.rl",
+        ),
     )
     srun_args: list[str] = _f(help="extra arguments for srun (slurm launcher)", factory=list)
     ray_address: str = _f(
@@ -71,23 +133,30 @@ class ClusterConfig:
         "HOST:PORT of its head, ray://HOST:10001 (Ray Client), or local (start one for this run)",
     )
     ray_namespace: str = _f("arl", "ray launcher: Ray namespace of the node actors")
-    ray_rollout_cpus: float = _f(1.0, "ray launcher: CPUs reserved per rollout node")
-    ray_train_cpus: float = _f(1.0, "ray launcher: CPUs reserved per train node")
+    ray_rollout_cpus: float = _f(
+        1.0, "ray launcher: CPUs reserved per rollout node", rule=positive()
+    )
+    ray_train_cpus: float = _f(1.0, "ray launcher: CPUs reserved per train node", rule=positive())
     ray_placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = _f(
         "PACK", "ray launcher: how nodes spread over Ray hosts (one node's GPUs share a host)"
     )
     ray_placement_timeout: float = _f(
-        300.0, "ray launcher: seconds to wait for Ray to reserve the nodes' CPUs and GPUs"
+        300.0,
+        "ray launcher: seconds to wait for Ray to reserve the nodes' CPUs and GPUs",
+        rule=positive(inf=True),
     )
-    n_gpus: int | None = _f(None, "GPUs to place nodes on (none: torch.cuda.device_count())")
+    n_gpus: int | None = _f(
+        None, "GPUs to place nodes on (none: torch.cuda.device_count())", rule=at_least_0("0: CPU")
+    )
     gpu_memory_gb: float | None = _f(
         None,
         "memory of one GPU in GB (1e9 bytes) that the memory plan fits the parts into (none: "
         "the device's total as torch reports it; 80 when no GPU is visible, as when a CPU "
         "machine previews a GPU plan)",
+        rule=positive(),
     )
     cpu_threads_per_node: int | None = _f(
-        None, "torch threads per node process (none: torch's default)"
+        None, "torch threads per node process (none: torch's default)", rule=positive()
     )
 
 
@@ -99,14 +168,19 @@ class TransportConfig:
     secret_file: str = _f(
         "", "0600 file holding the run secret (empty: generated by the launcher, or ARL_SECRET)"
     )
-    inline_threshold_bytes: int = _f(256, "tensors up to this size travel inside the header")
+    inline_threshold_bytes: int = _f(
+        256, "tensors up to this size travel inside the header", rule=at_least_0()
+    )
     max_message_bytes: int = _f(
-        2**34, "largest message the controller and the nodes accept (a bigger one is refused)"
+        2**34,
+        "largest message the controller and the nodes accept (a bigger one is refused)",
+        rule=positive(),
     )
     pull_chunk_bytes: int = _f(
         MiB,
         "bytes of shard data per message when a node serves a pull (1 MiB measured fastest: "
         "python -m arl.bench rtensor --chunk-mib 1 4 16 64)",
+        rule=positive(),
     )
     shared_memory: bool = _f(
         True,
@@ -119,13 +193,20 @@ class TransportConfig:
 class RolloutConfig:
     """Inference engines and the asynchronous rollout loop."""
 
-    backend: str = _f("hf:d1", "inference backend ENGINE:SPEC (hf, vllm, sglang), e.g. sglang:d2t2")
+    backend: str = _f(
+        "hf:d1",
+        "inference backend ENGINE:SPEC, e.g. sglang:d2t2",
+        rule=BackendString("rollout"),
+    )
     max_concurrent_rollouts: int | None = _f(
         None,
         "prompt groups in flight at once (none: what eta allows, (eta + 1) x data.batch_size)",
+        rule=positive(),
     )
     max_head_offpolicyness: int = _f(
-        2, "eta: how many policy versions older than the trainer a sample may be (0: synchronous)"
+        2,
+        "eta: how many policy versions older than the trainer a sample may be (0: synchronous)",
+        rule=at_least_0("0: synchronous"),
     )
     gpu_sharing: Literal["concurrent", "alternate", "mps", "sleep"] = _f(
         "concurrent",
@@ -142,6 +223,7 @@ class RolloutConfig:
         50,
         "with gpu_sharing=mps: the share of the GPU's SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) "
         "an engine on a train rank's GPU may use, 50-100; the train ranks may use all of them",
+        rule=Range(lo=50, hi=100, note=_MPS_FLOOR),
     )
     stale_sample_policy: Literal["keep", "drop"] = _f(
         "keep", "what to do with a finished sample that is staler than eta"
@@ -152,24 +234,39 @@ class RolloutConfig:
         "generation only where that keeps every group within eta) or the first submitted "
         "(the loader's order: batches, and a resumed run's, do not depend on timing)",
     )
-    workflow: str = _f("arl.workflows.rlvr:RLVRWorkflow", "workflow class, module:attribute")
+    workflow: str = _f(
+        "arl.workflows.rlvr:RLVRWorkflow",
+        "workflow class, module:attribute: arl's RLVRWorkflow or AgentWorkflow, a subclass of "
+        "either, or any class with arun_episode (arl.workflows.base)",
+        rule=ImportPath(),
+    )
+    workflow_args: dict[str, Any] = _f(
+        help="further keyword arguments of the workflow's constructor, a map such as "
+        "{max_turns: 4} (values: str, int, float, bool, none, lists and maps of them)",
+        factory=dict,
+    )
     reward: str = _f(
         "arl.rewards.gsm8k:gsm8k_reward",
         "reward function, module:attribute: (completion, data) -> float, async def or plain def "
         "(a plain one runs in a thread)",
+        rule=ImportPath(),
     )
     server_python: str = _f("python", "interpreter that runs vllm/sglang servers")
     server_args: list[str] = _f(help="extra command-line arguments for the server", factory=list)
-    server_start_timeout: float = _f(600.0, "seconds to wait for an inference server to be healthy")
+    server_start_timeout: float = _f(
+        600.0, "seconds to wait for an inference server to be healthy", rule=positive(inf=True)
+    )
     group_timeout: float | None = _f(
         3600.0,
         "seconds one prompt group (generation and reward) may take; a slower one is cancelled on "
         "its node and counted in rollout/timed_out (none: no limit)",
+        rule=positive(inf=True),
     )
     stall_log_s: float | None = _f(
         60.0,
         "with groups in flight and none finished for this many seconds, log which groups are "
         "in flight, on which node, for how long (again every as many seconds; none: never)",
+        rule=positive(inf=True),
     )
     dtype: str = _f("auto", "inference weight dtype (auto, bfloat16, float16, float32)")
     hf_decode_attention: Literal["auto", "sdpa", "flex"] = _f(
@@ -184,6 +281,7 @@ class RolloutConfig:
         "",
         "agent function `async def run(client, data)`, module:attribute (used with "
         "workflow=arl.workflows.agent:AgentWorkflow; the client is OpenAI-shaped)",
+        rule=ImportPath(optional=True),
     )
     agent_trajectory: Literal["concat", "individual"] = _f(
         "concat",
@@ -191,15 +289,20 @@ class RolloutConfig:
         "or one row per completion",
     )
     turn_discount: float = _f(
-        1.0, "agent workflow: reward discount per turn, G_i = r_i + turn_discount * G_(i+1)"
+        1.0,
+        "agent workflow: reward discount per turn, G_i = r_i + turn_discount * G_(i+1)",
+        rule=unit(),
     )
     filter: str = _f(
         "",
         "accept function on finished groups, module:attribute (a GroupReport -> bool), e.g. "
         "arl.filters:nonconstant_reward (DAPO dynamic sampling); empty: accept all",
+        rule=ImportPath(optional=True),
     )
     max_consecutive_rejections: int = _f(
-        256, "this many rejected groups in a row stop the run with an error instead of a hang"
+        256,
+        "this many rejected groups in a row stop the run with an error instead of a hang",
+        rule=positive(),
     )
 
 
@@ -207,26 +310,39 @@ class RolloutConfig:
 class GenerationConfig:
     """Sampling settings of training rollouts."""
 
-    n_samples: int = _f(4, "completions per prompt (the GRPO group size)")
-    max_new_tokens: int = _f(256, "most tokens generated per completion")
+    n_samples: int = _f(4, "completions per prompt (the GRPO group size)", rule=positive())
+    max_new_tokens: int = _f(256, "most tokens generated per completion", rule=positive())
     temperature: float = _f(1.0, "sampling temperature (> 0; use greedy for argmax)")
-    top_p: float = _f(1.0, "nucleus sampling probability mass, in (0, 1]")
-    top_k: int = _f(0, "sample among the k most likely tokens (0: off)")
+    top_p: float = _f(
+        1.0, "nucleus sampling probability mass", rule=Range(lo=0, hi=1, lo_open=True)
+    )
+    top_k: int = _f(0, "sample among the k most likely tokens (0: off)", rule=at_least_0("0: off"))
     greedy: bool = _f(False, "argmax decoding; overrides temperature, top_p and top_k")
-    stop_token_ids: list[int] = _f(help="extra token ids that end a completion", factory=list)
+    stop_token_ids: list[int] = _f(
+        help="extra token ids that end a completion",
+        factory=list,
+        rule=Holds(lambda ids: all(t >= 0 for t in ids), "ids must be >= 0"),
+    )
 
 
 @attrs.define(kw_only=True)
 class LoraConfig:
     """LoRA adapters on the policy (``rank`` 0: off, the whole model trains)."""
 
-    rank: int = _f(0, "adapter rank r (0: no LoRA, a full fine-tune)")
-    alpha: float = _f(32.0, "adapter scale numerator: its output is multiplied by alpha / rank")
-    dropout: float = _f(0.0, "dropout on an adapter's input while training")
+    rank: int = _f(
+        0, "adapter rank r (0: no LoRA, a full fine-tune)", rule=at_least_0("0: no LoRA")
+    )
+    alpha: float = _f(
+        32.0, "adapter scale numerator: its output is multiplied by alpha / rank", rule=positive()
+    )
+    dropout: float = _f(
+        0.0, "dropout on an adapter's input while training", rule=unit(hi_open=True)
+    )
     target_modules: list[str] = _f(
         help="modules that get adapters, by name suffix (q_proj, ...), or all-linear: every "
         "linear layer of the decoder but the output head",
         factory=lambda: ["all-linear"],
+        rule=Holds(lambda m: bool(m) and all(m), "needs module names (q_proj, ...) or all-linear"),
     )
 
 
@@ -234,8 +350,14 @@ class LoraConfig:
 class ActorConfig:
     """The trained policy: model, optimizer and PPO/GRPO loss."""
 
-    backend: str = _f("fsdp:d1", "training backend ENGINE:SPEC (fsdp), e.g. fsdp:d4")
-    path: str = _f("HuggingFaceTB/SmolLM2-135M-Instruct", "model: a hub id or a local directory")
+    backend: str = _f(
+        "fsdp:d1", "training backend ENGINE:SPEC, e.g. fsdp:d4", rule=BackendString("train")
+    )
+    path: str = _f(
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "model: a hub id or a local directory",
+        rule=Holds(bool, "must name a model"),
+    )
     dtype: Literal["auto", "float32", "bfloat16"] = _f(
         "auto", "parameter dtype (auto: bfloat16 on GPU, float32 on CPU)"
     )
@@ -244,20 +366,24 @@ class ActorConfig:
         3600.0,
         "seconds one call on the train ranks (load_batch, compute_logp, ppo_update, save_state, "
         "...) may run; a slower one stops the run naming the node and the call (none: no limit)",
+        rule=positive(inf=True),
     )
-    lr: float = _f(1.7e-5, "peak learning rate")
-    weight_decay: float = _f(0.017, "AdamW weight decay")
-    adam_beta1: float = _f(0.9, "AdamW beta1")
-    adam_beta2: float = _f(0.999, "AdamW beta2")
-    adam_eps: float = _f(1e-8, "AdamW epsilon")
+    lr: float = _f(1.7e-5, "peak learning rate", rule=at_least_0())
+    weight_decay: float = _f(0.017, "AdamW weight decay", rule=at_least_0())
+    adam_beta1: float = _f(0.9, "AdamW beta1", rule=Range(lo=0, hi=1, hi_open=True))
+    adam_beta2: float = _f(0.999, "AdamW beta2", rule=Range(lo=0, hi=1, hi_open=True))
+    adam_eps: float = _f(1e-8, "AdamW epsilon", rule=positive())
     lr_scheduler: Literal["constant", "linear", "cosine"] = _f("constant", "LR schedule")
-    warmup_steps: int = _f(0, "linear warmup steps")
-    min_lr_ratio: float = _f(0.0, "final LR as a fraction of lr (linear and cosine)")
-    grad_clip: float = _f(1.0, "clip the global gradient norm to this value")
-    ppo_n_minibatches: int = _f(1, "optimizer steps per training step")
+    warmup_steps: int = _f(0, "linear warmup steps", rule=at_least_0())
+    min_lr_ratio: float = _f(0.0, "final LR as a fraction of lr (linear and cosine)", rule=unit())
+    grad_clip: float = _f(
+        1.0, "clip the global gradient norm to this value", rule=positive(inf=True)
+    )
+    ppo_n_minibatches: int = _f(1, "optimizer steps per training step", rule=positive())
     max_tokens_per_mb: int | None = _f(
         None,
         "token budget of one packed micro-batch (none: sized from free GPU memory; 8192 on CPU)",
+        rule=positive(),
     )
     layout: Literal["auto", "packed", "padded"] = _f(
         "auto",
@@ -285,18 +411,28 @@ class ActorConfig:
         "fine-tune that does not fit the GPU beside its engine); the GPU keeps the "
         "compute-dtype weights",
     )
-    eps_clip: float = _f(0.4, "PPO clip range of the ratio (1 - eps, 1 + eps)")
-    eps_clip_higher: float | None = _f(None, "upper clip range (none: eps_clip)")
-    c_clip: float | None = _f(None, "dual-clip constant c > 1 for negative advantages (none: off)")
-    temperature: float = _f(1.0, "temperature applied to logits when computing log-probs")
+    eps_clip: float = _f(0.4, "PPO clip range of the ratio (1 - eps, 1 + eps)", rule=positive())
+    eps_clip_higher: float | None = _f(
+        None, "upper clip range (none: eps_clip)", rule=positive(inf=True)
+    )
+    c_clip: float | None = _f(
+        None,
+        "dual-clip constant c > 1 for negative advantages (none: off)",
+        rule=Range(lo=1, lo_open=True, inf=True, note="dual clip needs c > 1"),
+    )
+    temperature: float = _f(
+        1.0, "temperature applied to logits when computing log-probs", rule=positive()
+    )
     reward_bias: float = _f(-0.5, "added to the raw reward")
     reward_scaling: float = _f(10.0, "multiplies the biased reward")
-    reward_clip: float = _f(20.0, "clip the scaled reward to [-clip, clip]")
+    reward_clip: float = _f(
+        20.0, "clip the scaled reward to [-clip, clip]", rule=positive(inf=True)
+    )
     reward_norm_mean: Norm = _f("group", "subtract the reward mean over the group/batch")
     reward_norm_std: Norm = _f("group", "divide rewards by the std over the group/batch")
     adv_norm_mean: Norm = _f("batch", "subtract the advantage mean over the group/batch")
     adv_norm_std: Norm = _f("batch", "divide advantages by the std over the group/batch")
-    norm_eps: float = _f(1e-5, "added to the std before dividing")
+    norm_eps: float = _f(1e-5, "added to the std before dividing", rule=positive())
     unbiased_std: bool = _f(True, "use the unbiased (n - 1) standard deviation")
     use_decoupled_loss: bool = _f(
         True, "decoupled PPO: ratio against proximal log-probs, weighted by exp(prox - behave)"
@@ -307,14 +443,18 @@ class ActorConfig:
         "(detached) when that is the same computation as a separate pass (one minibatch, no "
         "KL), else runs a no-grad pass before the update; pass always runs the pass",
     )
-    behav_imp_weight_cap: float | None = _f(5.0, "cap on the behaviour importance weight")
+    behav_imp_weight_cap: float | None = _f(
+        5.0, "cap on the behaviour importance weight", rule=positive(inf=True)
+    )
     rejection: Literal["none", "token_mask", "seq_mask", "token_clamp"] = _f(
         "none", "rejection sampling of tokens or sequences whose ratio is out of bounds"
     )
-    kl_ctl: float = _f(0.0, "KL penalty coefficient against the reference model (0: no ref)")
+    kl_ctl: float = _f(
+        0.0, "KL penalty coefficient against the reference model (0: no ref)", rule=at_least_0()
+    )
     kl_estimator: Literal["k1", "k2", "k3"] = _f("k1", "KL estimator")
-    discount: float = _f(1.0, "GAE discount gamma")
-    gae_lambda: float = _f(1.0, "GAE lambda")
+    discount: float = _f(1.0, "GAE discount gamma", rule=unit())
+    gae_lambda: float = _f(1.0, "GAE lambda", rule=unit())
 
     def prox_in_update(self) -> bool:
         """Whether the decoupled loss takes its proximal log-probs from the update's forward.
@@ -344,16 +484,21 @@ class RefConfig:
 class DataConfig:
     """The prompt dataset."""
 
-    path: str = _f("openai/gsm8k", "a hub dataset id or a local directory of JSONL files")
+    path: str = _f(
+        "openai/gsm8k",
+        "a hub dataset id or a local directory of JSONL files",
+        rule=Holds(bool, "must name a dataset"),
+    )
     loader: str = _f(
         "arl.data.gsm8k:load_gsm8k",
         "import string of (path, split, on_bad_row) -> (rows, stats); rows carry 'messages'",
+        rule=ImportPath(),
     )
     train_split: str = _f("train", "split (file stem) used for training")
     eval_split: str = _f("test", "split (file stem) used for evaluation")
-    batch_size: int = _f(4, "prompt groups per training step")
+    batch_size: int = _f(4, "prompt groups per training step", rule=positive())
     shuffle: bool = _f(True, "shuffle the training prompts each epoch")
-    max_prompt_len: int = _f(512, "longest prompt in tokens")
+    max_prompt_len: int = _f(512, "longest prompt in tokens", rule=positive())
     on_bad_row: Literal["skip", "error"] = _f("skip", "a malformed dataset row is skipped or fatal")
     prompt_overflow: Literal["error", "truncate"] = _f(
         "error", "a prompt over max_prompt_len is an error or is left-truncated"
@@ -364,12 +509,13 @@ class DataConfig:
 class WeightSyncConfig:
     """How new weights reach the inference engines."""
 
-    mode: Literal["auto", "ipc_buffer", "ipc", "nccl", "zmq", "disk"] = _f(
+    mode: str = _f(
         "auto",
         "auto: by placement (ipc_buffer on train rank 0's GPU, nccl across GPUs, zmq on CPU, "
         "disk for server engines); ipc/ipc_buffer need one shared GPU (arl.weights)",
+        rule=OneOf("arl.weights:MODES", extra=("auto",)),
     )
-    bucket_bytes: int = _f(256 * MiB, "bytes of parameters sent per bucket")
+    bucket_bytes: int = _f(256 * MiB, "bytes of parameters sent per bucket", rule=positive())
     in_place: bool = _f(
         True,
         "in-place pause keeps in-flight generations and their KV cache across a sync and "
@@ -386,6 +532,7 @@ class WeightSyncConfig:
         "verify, server engines: how far the probe's mean log-prob difference per token and its "
         "mean |difference| may move from their values before the first sync (numerics only: "
         "bf16 against fp32 gives a mean |difference| ~0.05 that largely cancels in the mean)",
+        rule=positive(),
     )
 
 
@@ -394,7 +541,9 @@ class SaverConfig:
     """Model checkpoints for use outside arl."""
 
     freq_steps: int | None = _f(
-        None, "with hf_export: also save every this many steps (none: only at the end)"
+        None,
+        "with hf_export: also save every this many steps (none: only at the end)",
+        rule=positive(),
     )
     hf_export: bool = _f(
         True, "save the model in Hugging Face format (save_pretrained) at the end of the run"
@@ -419,18 +568,26 @@ class RecoverConfig:
         "start, and restart the run from it when a node is lost or hangs (up to retries times)",
     )
     freq_steps: int | None = _f(
-        None, "auto: write a recovery checkpoint every this many steps (none: by time only)"
+        None,
+        "auto: write a recovery checkpoint every this many steps (none: by time only)",
+        rule=positive(),
     )
     freq_secs: float | None = _f(
         600.0,
         "auto: write a recovery checkpoint once this many seconds passed since the last "
         "(none: by steps only)",
+        rule=positive(),
     )
-    retries: int = _f(3, "auto: restarts after a lost or hung node before the launcher gives up")
+    retries: int = _f(
+        3,
+        "auto: restarts after a lost or hung node before the launcher gives up",
+        rule=at_least_0("0: never restart"),
+    )
     stop_grace_s: float = _f(
         60.0,
         "on SIGTERM or a first Ctrl-C: seconds to finish the step and write the stop's "
         "checkpoint before the run is ended without it (size Slurm's --signal=TERM@N above it)",
+        rule=positive(),
     )
 
 
@@ -439,11 +596,17 @@ class EvaluatorConfig:
     """Periodic evaluation on data.eval_split."""
 
     freq_steps: int | None = _f(
-        None, "evaluate every this many steps and after the last step (none: never)"
+        None,
+        "evaluate every this many steps and after the last step (none: never)",
+        rule=positive(),
     )
-    n_samples: int = _f(1, "completions per evaluation question")
-    temperature: float = _f(0.0, "evaluation sampling temperature (0: greedy)")
-    max_questions: int | None = _f(64, "evaluate on at most this many questions (none: all)")
+    n_samples: int = _f(1, "completions per evaluation question", rule=positive())
+    temperature: float = _f(
+        0.0, "evaluation sampling temperature (0: greedy)", rule=at_least_0("0: greedy")
+    )
+    max_questions: int | None = _f(
+        64, "evaluate on at most this many questions (none: all)", rule=positive()
+    )
 
     def due(self, step: int, total_steps: int) -> bool:
         """Whether to evaluate after ``step`` of ``total_steps``: every ``freq_steps`` steps,

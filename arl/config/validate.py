@@ -1,18 +1,17 @@
 """Validation of a `Config`: each field against its annotation (`type_problems`), then the
 values and the relations between them (`validation_problems`); every problem names its key."""
 
+import inspect
 import math
-import re
 import types
+from collections.abc import Callable
 from typing import Any, Literal, Union, get_args, get_origin
 
 import attrs
 
 from arl.config.backend import parse_backend
-from arl.config.tree import Config, ConfigError, get_key
+from arl.config.tree import Config, ConfigError, field_keys, get_key
 from arl.protocol.imports import ImportRefused, resolve_import, split_target, under_prefix
-
-_PREFIX = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\.?")
 
 
 def _type_problem(value: Any, tp: Any) -> str:
@@ -39,6 +38,14 @@ def _type_problem(value: Any, tp: Any) -> str:
         if bad:
             return f"expected {type_name(tp)}, got an item {show_value(bad[0])} ({_got(bad[0])})"
         return ""
+    if origin is dict:  # rollout.workflow_args: sent to the node, so plain data only
+        if type(value) is not dict:
+            return f"expected a map, got {_got(value)}"
+        keys = [k for k in value if type(k) is not str]
+        if keys:  # YAML reads a bare on/yes/1 as a bool or an int: quote it
+            return f"keys must be str, got {show_value(keys[0])} ({_got(keys[0])}); quote it"
+        bad = _not_plain(value)
+        return f"expected plain data, got {show_value(bad[0])} ({_got(bad[0])})" if bad else ""
     if tp is float:
         # Exact types: a subclass (numpy.float64) would pass here and then fail to save.
         if type(value) not in (int, float):
@@ -53,40 +60,34 @@ def _type_problem(value: Any, tp: Any) -> str:
     return ""  # pragma: no cover - every field type is above
 
 
+def _not_plain(value: Any) -> list[Any]:
+    """The values inside ``value`` that are not str, int, float, bool, none, or lists and
+    str-keyed maps of them (empty: it is plain data, which msgpack and YAML carry)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return []
+    if type(value) in (list, tuple):
+        return [bad for v in value for bad in _not_plain(v)]
+    if type(value) is dict and all(type(k) is str for k in value):
+        return [bad for v in value.values() for bad in _not_plain(v)]
+    return [value]
+
+
 def _got(value: Any) -> str:
     """The type of a refused value, as a user would write it (``numpy.int64``, ``str``)."""
     t = type(value)
     return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
-# Float fields where infinity means "no limit" (a timeout, a clip); every other one must be a
-# finite number, and none may be nan.
-_INF_MEANS_NO_LIMIT = frozenset(
-    {
-        "cluster.heartbeat_timeout",
-        "cluster.node_start_timeout",
-        "cluster.ray_placement_timeout",
-        "rollout.server_start_timeout",
-        "rollout.group_timeout",
-        "rollout.stall_log_s",
-        "actor.call_timeout",
-        "actor.grad_clip",
-        "actor.eps_clip_higher",
-        "actor.c_clip",
-        "actor.reward_clip",
-        "actor.behav_imp_weight_cap",
-    }
-)
-
-
-def _finite_problem(key: str, value: Any) -> str:
+def _finite_problem(field: attrs.Attribute, value: Any) -> str:
+    """Every float must be finite but where its rule lets infinity mean no limit (a timeout)."""
     if not isinstance(value, int | float) or isinstance(value, bool):
         return ""
     try:
         finite = math.isfinite(value)
     except OverflowError:  # an int beyond every float
         finite = False
-    if finite or (key in _INF_MEANS_NO_LIMIT and value > 0):
+    rule = field.metadata.get("rule")
+    if finite or (getattr(rule, "inf", False) and value > 0):
         return ""
     return "must be a finite number"
 
@@ -95,7 +96,7 @@ def type_problems(cfg: Config) -> list[str]:
     """Every field whose value does not fit its annotation, as ``key=value: expected TYPE``.
 
     Types are exact (a bool is not an int, numpy.float64 is not a float), floats accept ints
-    and must be finite except where infinity means no limit (`_INF_MEANS_NO_LIMIT`), lists
+    and must be finite except where the field's rule says infinity means no limit, lists
     and tuples hold items of their type, and each section must be its attrs class (its fields
     are not looked at otherwise).
     """
@@ -120,169 +121,90 @@ def _section_type_problems(section: Any, prefix: str) -> list[str]:
             problems += _section_type_problems(v, key)
             continue
         if not why and (field.type is float or field.type == float | None):
-            why = _finite_problem(key, v)
+            why = _finite_problem(field, v)
         if why:
             problems.append(f"{key}={show_value(v)}: {why}")
     return problems
 
 
+def field_problems(cfg: Config) -> list[str]:
+    """Every field, nested sections included, checked by the rule declared on it
+    (`arl.config.rules`); a field typed ``X | None`` that is none passes."""
+    problems = []
+    for key, field in field_keys().items():
+        rule, value = field.metadata.get("rule"), get_key(cfg, key)
+        optional = type(None) in get_args(field.type)
+        if rule is None or (optional and value is None):
+            continue
+        why = rule.problem(value, cfg)
+        if why:
+            why += " or none" if optional else ""
+            why += f" ({rule.note})" if rule.note else ""
+            named = key if getattr(rule, "names_value", False) else f"{key}={show_value(value)}"
+            problems.append(f"{named}: {why}")
+    return problems
+
+
+Check = Callable[[str, bool, str], None]  # (key, holds, why): a problem unless it holds
+
+
 def validation_problems(cfg: Config) -> list[str]:
-    problems: list[str] = []
+    """Each field by its rule (`field_problems`), then the rules between fields; types are
+    checked before (`type_problems`)."""
+    problems = field_problems(cfg)
 
     def check(key: str, ok: bool, why: str) -> None:
         if not ok:
             problems.append(f"{key}={show_value(get_key(cfg, key))}: {why}")
 
-    def positive(*keys: str, optional: bool = False) -> None:
-        for key in keys:
-            v = get_key(cfg, key)
-            check(key, (optional and v is None) or (v is not None and v > 0), "must be > 0")
-
-    def within(key: str, lo: float, hi: float) -> None:
-        check(key, lo <= get_key(cfg, key) <= hi, f"must be in [{lo}, {hi}]")
-
-    # Types, choice fields included, are checked before: `type_problems`.
-    for key, role in (("rollout.backend", "rollout"), ("actor.backend", "train")):
-        try:
-            parse_backend(get_key(cfg, key), role)  # type: ignore[arg-type]
-        except ConfigError as e:
-            problems.append(f"{key}: {e}")
-    rollout_engine = cfg.rollout.backend.split(":")[0].strip()
-    check(
-        "rollout.mps_engine_percent",
-        50 <= cfg.rollout.mps_engine_percent <= 100,
-        "must be in [50, 100]: on an H200 the hf engine held to 30% decoded garbage (NaN "
-        "log-probs, every completion at max_new_tokens) while 50% decoded correctly",
-    )
+    r, c, a, g = cfg.rollout, cfg.cluster, cfg.actor, cfg.gconfig
     check(
         "rollout.gpu_sharing",
-        cfg.rollout.gpu_sharing != "mps" or cfg.cluster.launcher == "local",
+        r.gpu_sharing != "mps" or c.launcher == "local",
         f"mps starts a private MPS daemon on this machine, where only cluster.launcher=local "
-        f"starts the nodes (here {cfg.cluster.launcher!r}); elsewhere start MPS with the "
+        f"starts the nodes (here {c.launcher!r}); elsewhere start MPS with the "
         "scheduler (Slurm: --gres=mps) and use concurrent",
     )
     check(
         "rollout.hf_decode_attention",
-        cfg.rollout.hf_decode_attention in ("auto", "sdpa") or rollout_engine == "hf",
-        f"applies to the hf engine only; rollout.backend={cfg.rollout.backend!r} (a server "
+        r.hf_decode_attention in ("auto", "sdpa") or r.backend.split(":")[0].strip() == "hf",
+        f"applies to the hf engine only; rollout.backend={r.backend!r} (a server "
         "chooses its own attention kernels)",
     )
-
-    e = cfg.experiment
-    for key in ("experiment.name", "experiment.trial"):
-        v = get_key(cfg, key)
-        check(key, bool(v) and "/" not in v and v not in (".", ".."), "must be a plain name")
-    check("experiment.seed", e.seed >= 0, "must be >= 0")
-    positive("experiment.total_train_steps")
-
-    positive("cluster.n_nodes", optional=True)
-    n_gpus = cfg.cluster.n_gpus
-    check("cluster.n_gpus", n_gpus is None or n_gpus >= 0, "must be >= 0 (0: CPU) or none")
-    check("cluster.controller_port", 0 <= cfg.cluster.controller_port <= 65535, "must be 0..65535")
-    positive("cluster.heartbeat_interval", "cluster.heartbeat_timeout")
-    positive("cluster.node_start_timeout")
     check(
         "cluster.heartbeat_timeout",
-        cfg.cluster.heartbeat_timeout > cfg.cluster.heartbeat_interval,
-        f"must exceed cluster.heartbeat_interval={cfg.cluster.heartbeat_interval}",
+        c.heartbeat_timeout > c.heartbeat_interval,
+        f"must exceed cluster.heartbeat_interval={c.heartbeat_interval}",
     )
-    prefixes = cfg.cluster.allowed_import_prefixes
-    check(
-        "cluster.allowed_import_prefixes",
-        bool(prefixes) and all(_PREFIX.fullmatch(p) for p in prefixes),
-        "needs at least one prefix, each a dotted module name such as arl or myorg.rl",
-    )
-    positive("cluster.cpu_threads_per_node", optional=True)
-    positive("cluster.gpu_memory_gb", optional=True)
-    positive("cluster.ray_rollout_cpus", "cluster.ray_train_cpus", "cluster.ray_placement_timeout")
     check(
         "cluster.n_gpus",
-        cfg.cluster.launcher != "ray" or n_gpus is not None,
+        c.launcher != "ray" or c.n_gpus is not None,
         "must be set with cluster.launcher=ray: the GPUs the run takes from the Ray cluster "
         "(0: CPU only), since this host's own GPUs say nothing about the cluster's",
     )
-
-    check(
-        "transport.inline_threshold_bytes",
-        cfg.transport.inline_threshold_bytes >= 0,
-        "must be >= 0",
-    )
-    positive("transport.max_message_bytes", "transport.pull_chunk_bytes")
-
-    positive("rollout.max_concurrent_rollouts", optional=True)
-    check("rollout.max_head_offpolicyness", cfg.rollout.max_head_offpolicyness >= 0, "must be >= 0")
-    optional = ("rollout.agent", "rollout.filter")  # empty: not used
-    for key in ("rollout.workflow", "rollout.reward", "data.loader", *optional):
-        target = get_key(cfg, key)
-        if key in optional and not target:
-            continue
-        why = import_problem(target, prefixes)
-        if why:
-            problems.append(f"{key}={show_value(target)}: {why}")
-    positive("rollout.server_start_timeout")
-    is_agent = cfg.rollout.workflow.endswith(":AgentWorkflow")
-    check(
-        "rollout.agent",
-        is_agent == bool(cfg.rollout.agent),
-        "needs rollout.workflow=arl.workflows.agent:AgentWorkflow"
-        if cfg.rollout.agent
-        else f"rollout.workflow={cfg.rollout.workflow} needs an agent function, module:attribute",
-    )
-    check(
-        "data.prompt_overflow",
-        not is_agent or cfg.data.prompt_overflow == "error",
-        "agent workflows need 'error' (truncating would break the turns' shared prefix)",
-    )
-    within("rollout.turn_discount", 0.0, 1.0)
-    positive("rollout.max_consecutive_rejections")
-
-    g = cfg.gconfig
-    positive("gconfig.n_samples", "gconfig.max_new_tokens")
     check(
         "gconfig.temperature",
         g.greedy or g.temperature > 0,
         "must be > 0 for sampling (or set gconfig.greedy=true)",
     )
-    check("gconfig.top_p", 0 < g.top_p <= 1, "must be in (0, 1]")
-    check("gconfig.top_k", g.top_k >= 0, "must be >= 0 (0: off)")
-    check("gconfig.stop_token_ids", all(t >= 0 for t in g.stop_token_ids), "ids must be >= 0")
-
-    a = cfg.actor
-    check("actor.path", bool(a.path), "must name a model")
-    check("actor.lr", a.lr >= 0, "must be >= 0")
-    check("actor.weight_decay", a.weight_decay >= 0, "must be >= 0")
-    check("actor.adam_beta1", 0 <= a.adam_beta1 < 1, "must be in [0, 1)")
-    check("actor.adam_beta2", 0 <= a.adam_beta2 < 1, "must be in [0, 1)")
-    check("actor.warmup_steps", a.warmup_steps >= 0, "must be >= 0")
-    within("actor.min_lr_ratio", 0.0, 1.0)
-    positive("actor.adam_eps", "actor.grad_clip", "actor.ppo_n_minibatches")
-    positive("actor.eps_clip", "actor.temperature")
-    positive("actor.max_tokens_per_mb", optional=True)
-    positive("actor.reward_clip", "actor.norm_eps")
-    positive("actor.eps_clip_higher", "actor.behav_imp_weight_cap", optional=True)
-    check("actor.c_clip", a.c_clip is None or a.c_clip > 1, "dual clip needs c > 1 (or none)")
-    check("actor.kl_ctl", a.kl_ctl >= 0, "must be >= 0")
-    within("actor.discount", 0.0, 1.0)
-    within("actor.gae_lambda", 0.0, 1.0)
-    check("actor.lora.rank", a.lora.rank >= 0, "must be >= 0 (0: no LoRA)")
-    if a.lora.rank > 0:
-        positive("actor.lora.alpha")
-        check("actor.lora.dropout", 0 <= a.lora.dropout < 1, "must be in [0, 1)")
-        check(
-            "actor.lora.target_modules",
-            bool(a.lora.target_modules) and all(a.lora.target_modules),
-            "needs module names (q_proj, ...) or all-linear",
-        )
     check(
         "actor.offload",
         a.offload == "none" or a.lora.rank == 0,
         "optimizer offload is for a full fine-tune: with actor.lora.rank > 0 only the adapters "
         "carry optimizer state (a few MB); set actor.offload=none",
     )
-    n_seqs = cfg.data.batch_size * g.n_samples
+    _batch_rules(cfg, check)
+    _workflow_rules(cfg, check)
+    return problems
+
+
+def _batch_rules(cfg: Config, check: Check) -> None:
+    """How a step's batch splits: minibatches, micro-batch tokens, groups, train ranks."""
+    a, g, batch = cfg.actor, cfg.gconfig, cfg.data.batch_size
+    n_seqs = batch * g.n_samples
     check(
         "actor.ppo_n_minibatches",
-        n_seqs < 1 or a.ppo_n_minibatches <= n_seqs,  # n_seqs < 1 is reported below
+        n_seqs < 1 or a.ppo_n_minibatches <= n_seqs,  # n_seqs < 1 is reported by its field
         f"more minibatches than the {n_seqs} sequences of a step "
         "(data.batch_size x gconfig.n_samples)",
     )
@@ -293,38 +215,73 @@ def validation_problems(cfg: Config) -> list[str]:
         f"smaller than the longest sequence, data.max_prompt_len + gconfig.max_new_tokens = "
         f"{longest}; raise it or shorten those",
     )
-    if g.n_samples < 2:
-        for key in ("actor.reward_norm_mean", "actor.reward_norm_std"):
-            check(
-                key,
-                get_key(cfg, key) != "group",
-                "group normalisation needs gconfig.n_samples >= 2 (or batch/none)",
-            )
-
-    check("data.path", bool(cfg.data.path), "must name a dataset")
+    for key in ("actor.reward_norm_mean", "actor.reward_norm_std"):
+        check(
+            key,
+            g.n_samples >= 2 or get_key(cfg, key) != "group",
+            "group normalisation needs gconfig.n_samples >= 2 (or batch/none)",
+        )
     try:
         train_dp = parse_backend(a.backend, "train").dp
     except ConfigError:
-        train_dp = 1  # reported above
+        train_dp = 1  # reported by its field
     # A batch is split by whole prompt groups over the data-parallel train ranks, and a rank
     # with no group has nothing to train on.
     check(
         "data.batch_size",
-        cfg.data.batch_size < 1 or cfg.data.batch_size >= train_dp,
+        batch < 1 or batch >= train_dp,
         f"fewer prompt groups than the {train_dp} train ranks of actor.backend={a.backend}; "
         f"use data.batch_size >= {train_dp} (a multiple of it balances best) or fewer ranks",
     )
-    positive("data.batch_size", "data.max_prompt_len", "weight_sync.bucket_bytes")
-    positive("weight_sync.verify_tolerance")
-    positive("saver.freq_steps", optional=True)
-    positive("recover.freq_steps", "recover.freq_secs", optional=True)
-    positive("recover.stop_grace_s")
-    check("recover.retries", cfg.recover.retries >= 0, "must be >= 0 (0: never restart)")
-    positive("rollout.group_timeout", "actor.call_timeout", "rollout.stall_log_s", optional=True)
-    positive("evaluator.freq_steps", "evaluator.max_questions", optional=True)
-    positive("evaluator.n_samples")
-    check("evaluator.temperature", cfg.evaluator.temperature >= 0, "must be >= 0 (0: greedy)")
-    return problems
+
+
+_AGENT_WORKFLOW = "arl.workflows.agent:AgentWorkflow"
+# Constructor arguments the rollout node passes itself (`arl.node.rollout.RolloutWorker`).
+_PASSED_BY_ARL = ("tokenizer", "reward_fn", "sampling", "n_samples", "max_prompt_len")
+_PASSED_BY_ARL += ("prompt_overflow", "agent", "trajectory", "turn_discount")
+
+
+def _workflow_rules(cfg: Config, check: Check) -> None:
+    """The workflow class against the keys that configure it: ``rollout.agent`` needs the agent
+    workflow (or a subclass), ``rollout.workflow_args`` only keywords its constructor takes."""
+    r = cfg.rollout
+    prefixes = cfg.cluster.allowed_import_prefixes
+    if import_problem(r.workflow, prefixes):
+        return  # reported by its field
+    workflow = resolve_import(r.workflow, prefixes)
+    agent_base = resolve_import(_AGENT_WORKFLOW, ("arl.",))
+    is_agent = isinstance(workflow, type) and issubclass(workflow, agent_base)
+    check(
+        "rollout.agent",
+        is_agent == bool(r.agent),
+        f"needs rollout.workflow={_AGENT_WORKFLOW} or a subclass of it"
+        if r.agent
+        else f"rollout.workflow={r.workflow} needs an agent function, module:attribute",
+    )
+    check(
+        "data.prompt_overflow",
+        not is_agent or cfg.data.prompt_overflow == "error",
+        "agent workflows need 'error' (truncating would break the turns' shared prefix)",
+    )
+    ours = sorted(set(r.workflow_args) & set(_PASSED_BY_ARL))
+    check(
+        "rollout.workflow_args",
+        not ours,
+        f"{', '.join(ours)} set by arl from their config keys (gconfig, data, rollout); "
+        "set those instead",
+    )
+    params = inspect.signature(workflow).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return  # takes any keyword
+    takes = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    unknown = sorted(set(r.workflow_args) - set(takes) - set(_PASSED_BY_ARL))
+    own = [t for t in takes if t not in _PASSED_BY_ARL]
+    check(
+        "rollout.workflow_args",
+        not unknown,
+        f"{r.workflow} takes no keyword argument {', '.join(unknown)}; "
+        + (f"it takes {', '.join(own)}" if own else "it takes none but arl's own"),
+    )
 
 
 def import_problem(target: str, prefixes: list[str] | tuple[str, ...]) -> str:
@@ -359,6 +316,8 @@ def show_value(value: Any, quote: bool = True) -> str:
         return "true" if value else "false"
     if isinstance(value, list | tuple):
         return "[" + ",".join(show_value(v, quote) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {show_value(v, quote)}" for k, v in value.items()) + "}"
     if isinstance(value, str):
         return repr(value) if quote or not value else value
     return str(value)
@@ -373,4 +332,6 @@ def type_name(tp: Any) -> str:
         return " or ".join(type_name(a) for a in inner) + " or none"
     if origin in (list, tuple):
         return f"{origin.__name__}[{type_name(args[0])}]"
+    if origin is dict:
+        return "map"
     return getattr(tp, "__name__", str(tp))

@@ -4,7 +4,7 @@
 way ``cluster.launcher`` says (local subprocesses, one ``srun`` step, Ray actors, or none for
 attach), waits for them to say hello, and pairs each with its place in the plan. Leaving the
 block ends every process it started, whatever the reason. Each mode is a `Launcher` in
-`LAUNCHERS`; a new mode is one more class there.
+`arl.control.launchers.LAUNCHERS`; a new mode is one more class and its entry there.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Protocol
 
@@ -21,6 +21,7 @@ import attrs
 from arl.config import Config, ConfigError
 from arl.control.controller import BindError, Controller, NodeHandle
 from arl.control.launcher import LocalNodes, SlurmNodes
+from arl.control.launchers import launcher_class
 from arl.control.mps import MpsDaemon, control_binary, mps_node_env
 from arl.control.placement import NodeSpec, check_node_count, shares_gpu
 from arl.control.ray_launcher import RayNodes
@@ -353,14 +354,6 @@ class _AttachLauncher:
 
 _SLOW_START = "on a loaded machine, raise cluster.node_start_timeout"
 
-# cluster.launcher -> the launcher class of that mode.
-LAUNCHERS: dict[str, Callable[[LaunchRequest], Launcher]] = {
-    "local": _LocalLauncher,
-    "slurm": _SlurmLauncher,
-    "ray": _RayLauncher,
-    "attach": _AttachLauncher,
-}
-
 
 @asynccontextmanager
 async def start_cluster(
@@ -371,7 +364,7 @@ async def start_cluster(
     security = security or run_security(cfg)
     c = cfg.cluster
     names = [f"{s.role}{s.rank}" for s in plan]
-    launcher = LAUNCHERS[c.launcher](LaunchRequest(cfg, plan, security, names))
+    launcher = launcher_class(c.launcher)(LaunchRequest(cfg, plan, security, names))
     async with AsyncExitStack() as stack:
         stack.push_async_callback(launcher.close)  # last out: also after a failed prepare
         await launcher.prepare()

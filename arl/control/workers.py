@@ -41,11 +41,12 @@ log = logging.getLogger("arl.control.workers")
 async def start_rollout_workers(cfg: Config, cluster: Cluster, model_path: str) -> list:
     """A rollout worker on every rollout node, its engine loaded (`setup`), in node order."""
     sampling = {k: v for k, v in attrs.asdict(cfg.gconfig).items() if k != "n_samples"}
-    agent = {}
+    agent: dict[str, Any] = {"workflow_kwargs": dict(cfg.rollout.workflow_args)}
     if cfg.rollout.agent:  # the agent workflow (arl.workflows.agent)
         trajectory = {"trajectory": cfg.rollout.agent_trajectory}
         discount = {"turn_discount": cfg.rollout.turn_discount}
         agent = {"agent": cfg.rollout.agent, "workflow_kwargs": {**trajectory, **discount}}
+        agent["workflow_kwargs"].update(cfg.rollout.workflow_args)
 
     async def one(p: Any) -> RemoteObject:
         spec = engine_spec(cfg, p.spec, model_path, p.device)

@@ -87,11 +87,12 @@ def test_two_turn_tool_conversation_becomes_the_expected_trajectories(tool_model
     assert ind["turn_ids"][1][ind["loss_mask"][1]].unique().tolist() == [1]
 
 
-def _worker_kwargs(model: str, agent: str) -> dict:
+def _worker_kwargs(model: str, agent: str, **more) -> dict:
     return {
         "model_path": model,
         "workflow": "arl.workflows.agent:AgentWorkflow",
         "agent": agent,
+        **more,
         "reward": "arl.rewards.arith:arith_reward",
         "sampling": {"max_new_tokens": 4},
         "n_samples": 2,
@@ -107,9 +108,15 @@ def test_failing_agents_and_filters_are_counted_and_never_stall_rollout(tiny):
                 "arl.node.rollout:RolloutWorker",
                 **_worker_kwargs(tiny, "tests.support.agents:every_other_fails"),
             )
+            # A user's subclass of the agent workflow, with a keyword of its own.
             broken = await node.create(
                 "arl.node.rollout:RolloutWorker",
-                **_worker_kwargs(tiny, "tests.support.agents:always_fails"),
+                **_worker_kwargs(
+                    tiny,
+                    "tests.support.agents:always_fails",
+                    workflow="tests.support.agents:NotedAgentWorkflow",
+                    workflow_kwargs={"note": "noted by the subclass"},
+                ),
             )
             await flaky.setup()  # one at a time: transformers' lazy imports race in threads
             await broken.setup()
@@ -154,6 +161,7 @@ def test_failing_agents_and_filters_are_counted_and_never_stall_rollout(tiny):
     direct, batch, infos, goes_on, picky, rejecting, filtered, refused = asyncio.run(main())
     assert direct["rejected"] and direct["failed_samples"] == 2 and "meta" not in direct
     assert "always_fails: broken agent" in direct["reason"]
+    assert direct["reason"].endswith("(noted by the subclass)")
 
     assert len(batch.refs) == 2
     assert [i.group_size for i in infos] == [1, 1]

@@ -16,6 +16,8 @@ import torch
 
 from arl.agent.chat_format import ChatFormat, normalize_message
 from arl.agent.examples.math_agent import CALCULATOR
+from arl.workflows.agent import AgentWorkflow
+from arl.workflows.base import EpisodeRejected
 
 QUESTION = "What is 6 * 7? Put your final answer within \\boxed{}."
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
@@ -112,3 +114,18 @@ async def always_fails(client: Any, data: dict) -> float:
 def load_tool_rows(path: str, split: str, on_bad_row: str) -> tuple[list[dict], dict]:
     """A data loader (`data.loader`) of eight copies of the taught question."""
     return [dict(ROW) for _ in range(8)], {"skipped": 0}
+
+
+class NotedAgentWorkflow(AgentWorkflow):
+    """A user's subclass of the agent workflow with a keyword of its own (``rollout.workflow_args``
+    reaches it): ``note`` ends the reason of every group it rejects."""
+
+    def __init__(self, *args: Any, note: str, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.note = note
+
+    async def arun_episode(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().arun_episode(*args, **kwargs)
+        except EpisodeRejected as e:
+            raise EpisodeRejected(f"{e} ({self.note})", e.failed_samples) from None

@@ -15,7 +15,7 @@ ESCAPES = [
     "arl.control.launcher:shutil.rmtree",
     "arl.node.daemon:os.system",
     "arl.control.launcher:os.execl",
-    "arl.config.validate:re.compile",
+    "arl.config.tree:re.compile",
     "arl.config.files:yaml.unsafe_load",  # a module's attribute imported there
     "arl.node.daemon:asyncio",  # a module imported there, itself
     "arl.control:launcher.shutil",  # through a submodule attribute
