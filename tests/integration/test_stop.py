@@ -78,7 +78,16 @@ def _rows(run_dir: Path) -> list[dict]:
 
 def _signal_after_step(cmd: list[str], run_dir: Path, step: int, signum: int) -> tuple[int, str]:
     """Start ``cmd``, send ``signum`` once ``step`` steps are logged; (exit status, stderr)."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stderr=subprocess.PIPE, text=True)
+    # As from a terminal: a shell's background job (a CI harness run with `&`) starts its
+    # children with SIGINT ignored, which the launcher rightly leaves alone.
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=ENV,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         deadline = time.monotonic() + 600
         while len(_rows(run_dir)) < step:
