@@ -277,6 +277,12 @@ class RolloutConfig:
         "fast (elsewhere torch's unfused reference; SDPA, with a warning, where it cannot "
         "compile); auto is flex on CUDA, sdpa elsewhere",
     )
+    hf_fused_decode: bool = _f(
+        True,
+        "hf engine: decode Llama-family models (llama, mistral, qwen2, qwen3) through fused "
+        "per-layer functions (about half the kernels per step; compiled on CUDA); other models, "
+        "and false, decode through the model's own modules",
+    )
     agent: str = _f(
         "",
         "agent function `async def run(client, data)`, module:attribute (used with "

@@ -188,6 +188,8 @@ def engine_options(cfg: Config, spec: EngineSpec, n_engines: int) -> dict:
         # cache at its full size (rows x length; lazily grown if that does not fit).
         "warm_up_len": longest,
         "decode_attention": cfg.rollout.hf_decode_attention,
+        # None: fused where the model's family allows (False keeps the model's modules).
+        "fused_decode": None if cfg.rollout.hf_fused_decode else False,
     }
     if cfg.actor.lora.rank > 0:  # the trainer's adapters, served on the base
         options["lora"] = attrs.asdict(cfg.actor.lora)

@@ -229,3 +229,42 @@ def test_flex_decode_in_cuda_graphs_gives_sdpas_greedy_tokens_cuda(
     for res, ref in zip(results, expected, strict=True):
         assert res.output_ids == ref.output_ids
         torch.testing.assert_close(res.logprobs, ref.logprobs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("attention", ["flex", "sdpa"])
+def test_fused_decode_gives_the_modules_tokens_in_cuda_graphs_cuda(
+    tmp_path: Path, attention: str
+) -> None:
+    """The fused decode step (compiled, replayed from CUDA graphs) against the model's own
+    modules, fp32: the same greedy tokens and log-probs for rows joining mid-decode."""
+    vocab = 4096
+    path = save_model(tmp_path / "m", vocab_size=vocab, **MEDIUM)
+    prompts = random_prompts(40, vocab, seed=9)
+    sp = SamplingParams(max_new_tokens=40, greedy=True)
+    kw = dict(device="cuda", dtype="float32", max_batch_size=32, decode_attention=attention)
+    with HFEngine(path, fused_decode=False, **kw) as engine:
+        expected = asyncio.run(staggered(engine, prompts, sp))
+    with HFEngine(path, warm_up_len=200, **kw) as engine:
+        results = asyncio.run(staggered(engine, prompts, sp))
+        health = asyncio.run(engine.health())
+    assert health["fused_decode"] and health["cuda_graphs"] and health["last_error"] is None
+    for res, ref in zip(results, expected, strict=True):
+        assert res.output_ids == ref.output_ids
+        torch.testing.assert_close(res.logprobs, ref.logprobs, atol=1e-4, rtol=0)
+
+
+def test_fused_decode_bf16_logprobs_match_a_teacher_forced_pass_cuda(tmp_path: Path) -> None:
+    vocab = 4096
+    path = save_model(tmp_path / "m", vocab_size=vocab, **MEDIUM)
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    prompts = random_prompts(48, vocab, seed=10)
+    sp = SamplingParams(max_new_tokens=48, temperature=1.0)
+    with HFEngine(path, device="cuda", dtype="bfloat16", max_batch_size=48) as engine:
+        results = asyncio.run(staggered(engine, prompts, sp))
+        assert asyncio.run(engine.health())["fused_decode"]
+    diffs = []
+    for prompt, res in zip(prompts, results, strict=True):
+        expected, _ = teacher_forced(model, prompt, res.output_ids, 1.0)
+        diffs.append((torch.tensor(res.logprobs) - expected).abs())
+    diff = torch.cat(diffs)
+    assert diff.max().item() < 0.05 and diff.mean().item() < 0.01

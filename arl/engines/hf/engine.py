@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -40,6 +41,7 @@ from arl.engines.hf.flex import (
     register_flex_attention,
     warm_up_width,
 )
+from arl.engines.hf.fused import FusedDecoder, unsupported_reason
 from arl.engines.hf.graphs import (
     DecodeGraphs,
     row_bucket,
@@ -58,6 +60,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The decode thread drops the GIL at each blocking call of a step (a graph replay, the step's
+# device-to-host copy) and then has to win it back from the process's other threads (reward
+# functions, the event loop). Under CPython's default 5 ms switch interval a busy neighbour
+# keeps it up to that long each time: a 3 ms step can take 15. Measured on CPU: a step of three
+# 0.2 ms blocking calls beside a busy thread took 16.2 ms at 5 ms, 1.9 ms at 0.25 ms.
+SWITCH_INTERVAL_S = 0.00025
 
 
 def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -112,6 +120,7 @@ class HFEngine:
         warm_up_len: int = 0,
         decode_attention: str = "auto",
         lora: dict | None = None,
+        fused_decode: bool | None = None,
     ) -> None:
         if max_batch_size < 1 or max_seq_len < 2 or max_prefill_tokens < 1:
             raise ValueError(
@@ -192,6 +201,18 @@ class HFEngine:
                 width = warm_up_width(max_batch_size, max_seq_len, warm_up_len)
             self._flex = flex_decode(self._model, self.device, max_batch_size, flex_compiled, width)
         self.decode_attention = "sdpa" if self._flex is None else "flex"
+        # Decode steps through fused per-layer functions (fused.py) where the model's family
+        # allows; ``fused_decode=None`` takes them where it does, False keeps the model's modules.
+        self._fused: FusedDecoder | None = None
+        self._fused_ok = False  # a fused step has run: later failures are real errors
+        if fused_decode is not False:
+            reason = unsupported_reason(self._model)
+            if reason is None:
+                self._fused = FusedDecoder(self._model, compiled=bool(want and on_cuda))
+            elif fused_decode:
+                raise ValueError(f"fused_decode=True, but {reason}")
+            else:
+                logger.info("hf engine decodes through the model's modules: %s", reason)
         self.compile_s = time.perf_counter() - t_compile
         self._eos = _eos_ids(self._model)
         self._vocab_size = int(self._model.get_input_embeddings().weight.shape[0])
@@ -202,7 +223,9 @@ class HFEngine:
         self._weights: dict[str, torch.Tensor] = dict(self._model.state_dict(keep_vars=True))
 
         align = 1 if self._flex is None else KV_BLOCK
-        self._cache = SlotKVCache(max_batch_size, max_seq_len, align)
+        # The fused families share one KV shape across layers: one buffer for all of them.
+        layers = len(self._fused.layers) if self._fused is not None else None
+        self._cache = SlotKVCache(max_batch_size, max_seq_len, align, layers)
         dev, b = self.device, max_batch_size
         self._row_idx = torch.arange(b, device=dev)
         self._kv_arange = torch.arange(max_seq_len, device=dev)
@@ -331,6 +354,7 @@ class HFEngine:
                 "steps": self._steps,
                 "cuda_graphs": self.cuda_graphs,
                 "compiled_blocks": self.compiled_blocks,
+                "fused_decode": self._fused is not None,
                 "decode_attention": self.decode_attention,
                 "decode_graphs": len(self._graphs),
                 "load_s": self.load_s,
@@ -477,6 +501,8 @@ class HFEngine:
                 self._graphs.clear()
                 self._cache.free()
                 if drop_weights:
+                    if self._fused is not None:
+                        self._fused.release()  # its buffers hold the q/k/v and gate/up storage
                     for name, p in self._model.named_parameters():
                         if self.lora is None or is_lora_name(name):
                             self._dropped.append((p, p.shape))
@@ -510,6 +536,8 @@ class HFEngine:
                 for p, shape in self._dropped:
                     p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
                 self._dropped.clear()
+                if self._fused is not None and not self._fused.bound:
+                    self._fused.bind()
                 if self._warm_up_len and self.cuda_graphs:
                     # The size the warm-up gave it: grown on demand, every graph goes stale.
                     self._cache.reserve(self.max_batch_size, self._warm_up_len)
@@ -672,6 +700,14 @@ class HFEngine:
         )
 
     def _run(self) -> None:
+        if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+            logger.info(
+                "hf engine: Python's thread switch interval %.2f ms -> %.2f ms, so the decode "
+                "thread gets the GIL back promptly after each step's blocking calls",
+                1e3 * sys.getswitchinterval(),
+                1e3 * SWITCH_INTERVAL_S,
+            )
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
@@ -899,6 +935,17 @@ class HFEngine:
 
     def _forward_decode(self, rows: int, kv_len: int) -> torch.Tensor:
         """One token for each of rows 0..rows-1, attending to ``kv_len`` positions: logits."""
+        if self._fused is not None:
+            try:
+                return self._fused_decode(rows, kv_len)
+            except Exception as exc:
+                if self._fused_ok:
+                    raise
+                # The first fused step compiles: a machine where that fails decodes on
+                # through the model's modules (same arithmetic, more kernels).
+                logger.warning("fused decode failed (%r); decoding through the modules", exc)
+                self._last_error = f"fused decode failed: {exc!r}"
+                self._fused = None
         pos = self._pos[:rows]
         self._cache.begin_decode(self._row_idx[:rows], pos, kv_len)
         if self._flex is None:
@@ -916,6 +963,42 @@ class HFEngine:
             **{self._cache_kw: self._cache},
         )
         return out.logits[:, -1, :]
+
+    def _fused_decode(self, rows: int, width: int) -> torch.Tensor:
+        """`_forward_decode` through the fused functions: the same logits in fewer kernels."""
+        fused, cache = self._fused, self._cache
+        assert fused is not None
+        pos, idx = self._pos[:rows], self._row_idx[:rows]
+        shape = (fused.kv_heads, fused.dim, self.dtype, self.device)
+        scale = fused.scale
+
+        def write_kv(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            keys, values = cache.layer(layer, *shape)
+            keys[idx, :, pos] = k
+            values[idx, :, pos] = v
+
+        if self._flex is None:
+            allowed = self._kv_arange[None, :width] <= pos[:, None]
+            additive = self._additive_mask(allowed)[:, None, None, :]
+
+            def attend(q: torch.Tensor, layer: int, rows: int, width: int) -> torch.Tensor:
+                k, v = cache.keys[layer][:rows, :, :width], cache.values[layer][:rows, :, :width]
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=additive, scale=scale
+                )
+
+        else:
+            mask, flex_attend = self._flex
+            mask.update(pos)  # inside the step, so a graph replay updates it too
+            block_mask = mask.block_mask(rows, width)
+
+            def attend(q: torch.Tensor, layer: int, rows: int, width: int) -> torch.Tensor:
+                k, v = cache.keys[layer][:rows, :, :width], cache.values[layer][:rows, :, :width]
+                return flex_attend(q, k, v, block_mask, scale)
+
+        logits = fused.forward(self._next_tok[:rows], pos, write_kv, attend, rows, width)
+        self._fused_ok = True
+        return logits
 
     def _decode_shape(self, n: int, kv_len: int) -> tuple[int, int]:
         """(rows, KV width) a step of ``n`` rows, the longest attending to ``kv_len``, runs at."""

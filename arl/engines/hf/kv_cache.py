@@ -19,11 +19,18 @@ class SlotKVCache:
     first ``kv_len`` positions of all active rows are returned for the masked attention.
     """
 
-    def __init__(self, max_rows: int, max_seq: int, seq_align: int = 1) -> None:
+    def __init__(
+        self, max_rows: int, max_seq: int, seq_align: int = 1, layers: int | None = None
+    ) -> None:
         self._max_rows, self._max_seq, self._seq_align = max_rows, max_seq, seq_align
         self._rows_cap, self._seq_cap = 0, 0
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
+        # With ``layers`` (every layer's keys and values of one shape): one buffer
+        # [2, layers, rows, kv_heads, positions, dim] whose slices are the layers' buffers, so
+        # moving rows (compaction) is one copy for the whole model rather than one per layer.
+        self._layers = layers
+        self._kv: torch.Tensor | None = None
         self._prefill: tuple[int, int, int] | None = None
         self._decode: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
         self._kv_len = 0
@@ -59,18 +66,43 @@ class SlotKVCache:
         self._prefill, self._kv_len = None, kv_len
 
     def _buffers(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layer(layer, like.shape[1], like.shape[3], like.dtype, like.device)
+
+    def layer(
+        self, layer: int, kv_heads: int, dim: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value buffers of ``layer`` ([rows, kv_heads, positions, dim]), allocated
+        or grown to the reserved size first."""
+        if self._layers is not None:
+            return self._stacked(layer, kv_heads, dim, dtype, device)
         k = self.keys.get(layer)
         if k is None or k.shape[0] < self._rows_cap or k.shape[2] < self._seq_cap:
-            shape = (self._rows_cap, like.shape[1], self._seq_cap, like.shape[3])
+            shape = (self._rows_cap, kv_heads, self._seq_cap, dim)
             # zeros, not empty: masked positions are multiplied by 0 in attention, and a NaN
             # left in uninitialised memory would survive that.
-            new_k = torch.zeros(shape, dtype=like.dtype, device=like.device)
-            new_v = torch.zeros(shape, dtype=like.dtype, device=like.device)
+            new_k = torch.zeros(shape, dtype=dtype, device=device)
+            new_v = torch.zeros(shape, dtype=dtype, device=device)
             if k is not None:
                 v = self.values[layer]
                 new_k[: k.shape[0], :, : k.shape[2]] = k
                 new_v[: v.shape[0], :, : v.shape[2]] = v
             self.keys[layer], self.values[layer] = new_k, new_v
+            self.generation += 1
+        return self.keys[layer], self.values[layer]
+
+    def _stacked(
+        self, layer: int, kv_heads: int, dim: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = self._kv
+        if kv is None or kv.shape[2] < self._rows_cap or kv.shape[4] < self._seq_cap:
+            assert self._layers is not None
+            shape = (2, self._layers, self._rows_cap, kv_heads, self._seq_cap, dim)
+            new = torch.zeros(shape, dtype=dtype, device=device)  # zeros: see `layer`
+            if kv is not None:
+                new[:, :, : kv.shape[2], :, : kv.shape[4]] = kv
+            self._kv = new
+            self.keys = {i: new[0, i] for i in range(self._layers)}
+            self.values = {i: new[1, i] for i in range(self._layers)}
             self.generation += 1
         return self.keys[layer], self.values[layer]
 
@@ -97,6 +129,10 @@ class SlotKVCache:
 
     def move_rows(self, dst: torch.Tensor, src: torch.Tensor, kv_len: int) -> None:
         """Copy rows ``src`` into rows ``dst`` (first ``kv_len`` positions): compaction."""
+        if self._kv is not None:
+            kv = self._kv
+            kv[:, :, dst, :, :kv_len] = kv[:, :, src, :, :kv_len]
+            return
         for layer, k in self.keys.items():
             v = self.values[layer]
             k[dst, :, :kv_len] = k[src, :, :kv_len]
@@ -104,7 +140,6 @@ class SlotKVCache:
 
     def free(self) -> None:
         """Drop the buffers (closing, or a warm-up that did not fit); later use reallocates."""
-        self.keys.clear()
-        self.values.clear()
+        self.keys, self.values, self._kv = {}, {}, None
         self._rows_cap = self._seq_cap = 0
         self.generation += 1
