@@ -199,8 +199,9 @@ def bench_engine(
     prompt_len: int | list[int],
     new: int,
     stock: bool = False,
-    decode_attention: str = "sdpa",
+    decode_attention: str = "auto",
     device: str = "cuda",
+    fused: bool | None = None,
 ) -> dict[str, float]:
     """hf engine: wall seconds for ``batch`` requests of ``new`` tokens, and a step breakdown.
 
@@ -226,6 +227,7 @@ def bench_engine(
         compile_blocks=not stock,
         grouped_attention=not stock,
         decode_attention=decode_attention,
+        fused_decode=False if stock else fused,
     ) as eng:
 
         async def once() -> list:
@@ -250,7 +252,9 @@ def bench_engine(
         assert all(len(r.output_ids) == new for r in results), "a request ended early"
         health = asyncio.run(eng.health())
         used = health["decode_attention"]
-        assert used == decode_attention, f"decoded with {used}, not {decode_attention} (see log)"
+        if decode_attention != "auto":
+            assert used == decode_attention, f"decoded with {used}, not {decode_attention} (log)"
+        assert fused is None or health["fused_decode"] == fused, "fused decode fell back (log)"
         # Breakdown at the last (widest) bucket: the forward alone, then sampling alone.
         graphs = {k[1]: g for k, g in eng._graphs.items() if k[0] >= batch}
         forward = sample = float("nan")
@@ -264,7 +268,14 @@ def bench_engine(
             logits = graphs[max(graphs)].logits[:batch]
             eng._temp[:batch] = 1.0
             sample = _time_cuda(lambda: eng._sample(logits, [_FakeRow()] * batch), 20)
-    return {"wall": wall, "steps": steps, "forward": forward, "sample": sample}
+    return {
+        "wall": wall,
+        "steps": steps,
+        "forward": forward,
+        "sample": sample,
+        "attention": used,
+        "fused": health["fused_decode"],
+    }
 
 
 class _FakeRow:
@@ -318,12 +329,15 @@ def run_decode(args: argparse.Namespace, path: str, floors: dict) -> list[dict]:
     )
     hdr = (
         "| batch | arl tok/s | generate tok/s | arl / generate | arl ms/step | "
-        "forward ms | sample ms | rest ms | floor ms | floor / step | before ms/step |"
+        "forward ms | sample ms | rest ms | floor ms | floor / step | modules ms/step | "
+        "before ms/step |"
     )
     print(hdr)
-    print("|" + " --- |" * 11)
+    print("|" + " --- |" * 12)
     for b in args.batches:
         e = bench_engine(path, b, args.prompt_len, args.new_tokens)
+        # The same engine decoding through the model's modules instead of the fused step.
+        mod = bench_engine(path, b, args.prompt_len, args.new_tokens, fused=False)["wall"]
         g = bench_generate(path, b, args.prompt_len, args.new_tokens) if args.generate else None
         before = (
             bench_engine(path, b, args.prompt_len, args.new_tokens, stock=True)["wall"]
@@ -344,6 +358,9 @@ def run_decode(args: argparse.Namespace, path: str, floors: dict) -> list[dict]:
             "sample_ms": 1e3 * e["sample"],
             "rest_ms": 1e3 * rest,
             "floor_ms": 1e3 * floor,
+            "modules_ms_step": 1e3 * mod / args.new_tokens,
+            "attention": e["attention"],
+            "fused": e["fused"],
             "before_ms_step": 1e3 * before / args.new_tokens if before else None,
         }
         rows.append(row)
@@ -352,7 +369,7 @@ def run_decode(args: argparse.Namespace, path: str, floors: dict) -> list[dict]:
         print(
             f"| {b} | {tokens / e['wall']:,.0f} | {gen} | {ratio} | {1e3 * step:.2f} | "
             f"{1e3 * e['forward']:.2f} | {1e3 * e['sample']:.2f} | {1e3 * rest:.2f} | "
-            f"{1e3 * floor:.3f} | {floor / step:.2f} | "
+            f"{1e3 * floor:.3f} | {floor / step:.2f} | {1e3 * mod / args.new_tokens:.2f} | "
             + (f"{1e3 * before / args.new_tokens:.2f} |" if before else "- |"),
             flush=True,
         )
@@ -377,10 +394,10 @@ def run_decode_flex(args: argparse.Namespace, path: str, floors: dict) -> list[d
         "(weights + KV of every row at the step's width bucket) / bandwidth"
     )
     print(
-        "| prompts | batch | sdpa ms/step | flex ms/step | sdpa / flex | own floor ms | "
-        "padded floor ms | own floor / flex |"
+        "| prompts | batch | sdpa ms/step | flex ms/step | sdpa / flex | flex tok/s | own floor ms "
+        "| padded floor ms | own floor / flex | flex through modules ms/step |"
     )
-    print("|" + " --- |" * 8)
+    print("|" + " --- |" * 10)
     out = []
     for kind in ("uniform", "mixed"):
         for b in args.batches:
@@ -389,6 +406,9 @@ def run_decode_flex(args: argparse.Namespace, path: str, floors: dict) -> list[d
             for attention in ("sdpa", "flex"):
                 e = bench_engine(path, b, lengths, new, decode_attention=attention)
                 step[attention] = e["wall"] / new
+            # The fused step's gain: flex again through the model's own modules.
+            e = bench_engine(path, b, lengths, new, decode_attention="flex", fused=False)
+            step["modules"] = e["wall"] / new
             held = sum(n + new / 2 for n in lengths)  # mean KV positions read per step
             own = (wbytes + kv_tok * held) / bw
             cap = max(lengths) + new + 8
@@ -399,14 +419,16 @@ def run_decode_flex(args: argparse.Namespace, path: str, floors: dict) -> list[d
                 "batch": b,
                 "sdpa_ms_step": 1e3 * step["sdpa"],
                 "flex_ms_step": 1e3 * step["flex"],
+                "flex_tokens_per_s": b / step["flex"],
+                "flex_modules_ms_step": 1e3 * step["modules"],
                 "own_floor_ms": 1e3 * own,
                 "padded_floor_ms": 1e3 * padded,
             }
             out.append(row)
             print(
                 f"| {kind} | {b} | {1e3 * step['sdpa']:.2f} | {1e3 * step['flex']:.2f} | "
-                f"{step['sdpa'] / step['flex']:.2f} | {1e3 * own:.3f} | {1e3 * padded:.3f} | "
-                f"{own / step['flex']:.2f} |",
+                f"{step['sdpa'] / step['flex']:.2f} | {b / step['flex']:,.0f} | {1e3 * own:.3f} | "
+                f"{1e3 * padded:.3f} | {own / step['flex']:.2f} | {1e3 * step['modules']:.2f} |",
                 flush=True,
             )
     return out

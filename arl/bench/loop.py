@@ -151,6 +151,7 @@ def _engine_delta(samples: list, t_from: float, t_to: float) -> dict:
         "mean_decode_batch": d["generated_tokens"] / max(d["steps"], 1),
         "decode_steps": d["steps"],
         "busy_share": d["busy_s"] / wall / n_engines,
+        "busy_s": d["busy_s"],
         "prefills": d["prefills"],
         "prefill_tokens": d["prefill_tokens"],
     }
@@ -284,6 +285,12 @@ def issue_figures(rows: list[dict], m: dict, name: str) -> dict:
         "sync.paused_s": m["sync_paused_s"],
         "step.fixed_overhead_s": m.get("fixed_overhead_s"),
     }
+    out[f"{name}.sustained_rollout_tokens_per_s"] = out[f"{name}.rollout_tokens_per_s"]
+    r = m["rollout"]
+    if r.get("decode_steps"):
+        # The engines' busy time per decode step (prefills included), and its mean batch.
+        out[f"{name}.decode_step_ms"] = 1e3 * r["busy_s"] / r["decode_steps"]
+        out[f"{name}.mean_decode_batch"] = r["mean_decode_batch"]
     return out
 
 
