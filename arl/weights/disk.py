@@ -19,7 +19,7 @@ from arl.engines.base import WeightTarget
 from arl.weights.base import NodePart, WeightSync, require_weight_target
 
 if TYPE_CHECKING:
-    from arl.control.placement import NodeSpec
+    from arl.protocol.plan import NodeSpec
 
 
 class DiskSync(WeightSync):
