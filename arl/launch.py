@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         run_security(cfg)
         check_model(cfg)
         data = check_data(cfg)  # loaded once: the run (and its restarts) use these rows
-        claim = claim_run_dir(cfg)
+        claim = claim_run_dir(cfg, sync_mode=plan.sync_mode)
         log = logging.getLogger("arl.launch")
         if claim.moved_to is not None:
             log.warning("experiment.overwrite: the earlier run was moved to %s", claim.moved_to)

@@ -75,6 +75,8 @@ class WeightSync:
     mode: ClassVar[str] = ""
     # `auto` picks the first registered mode whose `suits` holds, in this order (lower first).
     auto_rank: ClassVar[int] = 100
+    # Folders under the run directory this mode writes (checked writable before any node starts).
+    run_dirs: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ctx: SyncContext) -> None:
         self.ctx = ctx

@@ -98,6 +98,7 @@ def test_the_trainer_and_the_placement_name_no_mode():
     root = Path(arl.__file__).parent
     for rel in (
         "trainer.py",
+        "run_dir.py",
         "control/workers.py",
         "control/placement.py",
         "control/cluster.py",
