@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from arl.engines.model import cache_root
+from arl.cache import cache_root
 
 CACHE_DIR_ENV = "TORCHINDUCTOR_CACHE_DIR"
 # On by default in the torch versions arl supports; set in the environment too (read when

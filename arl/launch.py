@@ -24,10 +24,11 @@ from typing import Any
 from arl.ckpt.stop import RunStopped, StopRequest, signal_name
 from arl.config import Config, ConfigError, apply_overrides, help_text, save_resolved, to_yaml
 from arl.control.memory import format_memory_plan
-from arl.control.placement import NodeSpec, detect_gpus, format_plan, plan_placement
+from arl.control.placement import detect_gpus, format_plan, plan_placement
 from arl.data.gsm8k import DatasetError
 from arl.engines.spec import describe, engine_spec
 from arl.event_loop import cancel_running
+from arl.protocol.plan import Plan
 from arl.recipe import apply_cpu_preset, import_recipe, load_recipe
 
 USAGE = """\
@@ -47,7 +48,7 @@ usage: python -m arl.launch RECIPE [key=value ...] [--dry-run] [--help]
 """
 
 
-def configure(path: str, overrides: list[str]) -> tuple[Config, list[NodeSpec], int]:
+def configure(path: str, overrides: list[str]) -> tuple[Config, Plan, int]:
     """The recipe's config under ``overrides``, validated and placed: (config, plan, GPUs).
 
     When the plan has no GPU and the recipe defines ``cpu_preset(cfg)``, the preset is applied
@@ -58,7 +59,7 @@ def configure(path: str, overrides: list[str]) -> tuple[Config, list[NodeSpec], 
     cfg.validate()
     n_gpus = detect_gpus(cfg)
     plan = plan_placement(cfg, n_gpus)
-    if hasattr(recipe, "cpu_preset") and not any(n.gpu_ids for n in plan):
+    if hasattr(recipe, "cpu_preset") and not any(n.gpu_ids for n in plan.nodes):
         cfg = load_recipe(path, recipe)
         apply_cpu_preset(path, recipe, cfg)
         cfg = apply_overrides(cfg, overrides)
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg, plan, n_gpus = configure(recipe, overrides)
         # Built here only to refuse contradicting engine settings before any process starts;
         # the trainer builds them again with the resolved model path and node-local devices.
-        engines = [engine_spec(cfg, n, cfg.actor.path) for n in plan if n.role == "rollout"]
+        engines = [engine_spec(cfg, n, cfg.actor.path) for n in plan.rollout]
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -131,10 +132,13 @@ def main(argv: list[str] | None = None) -> int:
         print("# resolved config")
         print(to_yaml(cfg))
         where = f"{n_gpus} GPU{'s' * (n_gpus != 1)}" if n_gpus else "CPU"
-        print(f"# placement plan: {len(plan)} nodes on {where}, launcher {cfg.cluster.launcher}")
+        print(
+            f"# placement plan: {len(plan.nodes)} nodes on {where}, launcher "
+            f"{cfg.cluster.launcher}, weight sync {plan.sync_mode}"
+        )
         print(format_plan(plan))
         print("# rollout engines (the model path is resolved when the run starts)")
-        for node, spec in zip((n for n in plan if n.role == "rollout"), engines, strict=True):
+        for node, spec in zip(plan.rollout, engines, strict=True):
             print(f"node {node.node_id}: {describe(spec)}")
         print(format_memory_plan(cfg, plan), end="")
         return 0
@@ -157,14 +161,13 @@ def main(argv: list[str] | None = None) -> int:
         run_security(cfg)
         check_model(cfg)
         data = check_data(cfg)  # loaded once: the run (and its restarts) use these rows
-        claim = claim_run_dir(cfg)
+        claim = claim_run_dir(cfg, sync_mode=plan.sync_mode)
         log = logging.getLogger("arl.launch")
         if claim.moved_to is not None:
             log.warning("experiment.overwrite: the earlier run was moved to %s", claim.moved_to)
         if claim.resume_step is not None:
             # Refused here, as one line naming the keys, before any node starts.
-            n_train = sum(1 for n in plan if n.role == "train")
-            check_resume(read_latest(claim.path), resume_keys(cfg, n_train, data[0]))
+            check_resume(read_latest(claim.path), resume_keys(cfg, len(plan.train), data[0]))
             log.info("resuming %s from its step-%d checkpoint", claim.path, claim.resume_step)
         resolved = to_yaml(cfg)
         kept = keep_previous(cfg.run_path / "config.yaml", resolved)

@@ -14,15 +14,16 @@ import time
 from arl.ckpt.stop import StopRequest
 from arl.config import Config
 from arl.control.cluster import start_cluster
-from arl.control.placement import NodeSpec, place
+from arl.control.placement import place
 from arl.data.loader import load_data
+from arl.protocol.plan import Plan
 from arl.stats.progress import say_if_slow
 from arl.trainer import PPOTrainer
 
 
 async def run(
     cfg: Config,
-    plan: list[NodeSpec] | None = None,
+    plan: Plan | None = None,
     *,
     run_id: str | None = None,
     data: tuple[list[dict], list[dict]] | None = None,

@@ -13,8 +13,9 @@
    directory (never deleted); otherwise it refuses, saying how to resume, start a new trial, or
    replace it;
 3. checks that everything the run will write is writable (the run directory, ``checkpoints/``,
-   ``recover/``, ``tensorboard/``, ``weights/``, the files it appends to), so a read-only
-   folder is found at launch and not after training.
+   ``recover/``, ``tensorboard/``, the folders of the placement plan's weight-sync mode, such
+   as ``weights/`` for ``disk``, the files it appends to), so a read-only folder is found at
+   launch and not after training.
 
 Each launch gets a fresh run id (in the lock file and on every ``metrics.jsonl`` row); the
 supervisor's restarts under ``recover.mode=auto`` are the same launch and keep it, a resume by
@@ -38,6 +39,7 @@ import attrs
 
 from arl.ckpt.recovery import read_latest
 from arl.config import Config
+from arl.weights import sync_class
 
 LOCK_NAME = ".arl.lock"
 
@@ -68,9 +70,10 @@ class RunClaim:
             self._lock = None
 
 
-def claim_run_dir(cfg: Config, run_id: str | None = None) -> RunClaim:
+def claim_run_dir(cfg: Config, run_id: str | None = None, *, sync_mode: str) -> RunClaim:
     """Lock ``cfg.run_path`` for this run, refuse or move aside an earlier run, and check that
-    every path the run writes is writable; raises `RunDirError` naming what to do."""
+    every path the run writes is writable (``sync_mode``: the placement plan's resolved
+    weight-sync mode); raises `RunDirError` naming what to do."""
     path = cfg.run_path
     run_id = run_id or new_run_id()
     _ensure_dir(path, "its files", "experiment.run_dir")
@@ -90,7 +93,7 @@ def claim_run_dir(cfg: Config, run_id: str | None = None) -> RunClaim:
                 spent = state is not None and state.spent
                 latest = None if state is None else state.step
                 raise RunDirError(_finished_message(cfg, found, latest, spent))
-        check_writable(cfg)
+        check_writable(cfg, sync_mode)
     except BaseException:
         lock.close()
         raise
@@ -227,8 +230,9 @@ def keep_previous(file: Path, text: str) -> Path | None:
 
 
 # ---- writability ------------------------------------------------------------------------------
-def run_outputs(cfg: Config) -> list[tuple[Path, str, str]]:
-    """The folders a run writes: (path, what goes there, the setting that asks for it)."""
+def run_outputs(cfg: Config, sync_mode: str) -> list[tuple[Path, str, str]]:
+    """The folders a run writes: (path, what goes there, the setting that asks for it);
+    ``sync_mode`` is the plan's resolved weight-sync mode (``auto`` already decided)."""
     root = cfg.run_path
     out = [(root, "config.yaml, metrics.jsonl and trace.json", "experiment.run_dir")]
     if cfg.saver.hf_export:
@@ -237,16 +241,17 @@ def run_outputs(cfg: Config) -> list[tuple[Path, str, str]]:
         out.append((root / "recover", "recovery checkpoints", "recover.mode=disabled"))
     if cfg.stats.tensorboard:
         out.append((root / "tensorboard", "TensorBoard events", "stats.tensorboard=false"))
-    mode = cfg.weight_sync.mode
-    if mode == "disk" or (mode == "auto" and not cfg.rollout.backend.startswith("hf")):
-        out.append((root / "weights", "weights for the inference servers", "weight_sync.mode"))
+    for folder in sync_class(sync_mode).run_dirs:
+        what = f"the weights that weight_sync.mode={sync_mode} hands to the engines"
+        out.append((root / folder, what, "weight_sync.mode"))
     return out
 
 
-def check_writable(cfg: Config) -> None:
-    """Create and write a probe file in every folder the run writes, and open every file it
-    appends to; raise `RunDirError` naming the first that fails."""
-    for folder, what, setting in run_outputs(cfg):
+def check_writable(cfg: Config, sync_mode: str) -> None:
+    """Create and write a probe file in every folder the run writes (under the plan's
+    ``sync_mode``), and open every file it appends to; raise `RunDirError` naming the first
+    that fails."""
+    for folder, what, setting in run_outputs(cfg, sync_mode):
         _ensure_dir(folder, what, setting)
         probe = folder / f".arl-write-probe-{os.getpid()}"
         try:

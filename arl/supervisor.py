@@ -14,17 +14,17 @@ from arl.ckpt.recovery import CheckpointError
 from arl.ckpt.stop import StopRequest
 from arl.config import Config
 from arl.control.controller import NodeLost, NodesNotStarted, RemoteError
-from arl.control.placement import NodeSpec
 from arl.control.rollout import RolloutFailed
 from arl.control.workers import CallTimeout
 from arl.event_loop import run_loop
 from arl.protocol.errors import ErrorKind
+from arl.protocol.plan import Plan
 from arl.run import run
 
 
 def supervise(
     cfg: Config,
-    plan: list[NodeSpec],
+    plan: Plan,
     run_id: str | None = None,
     data: tuple[list[dict], list[dict]] | None = None,
     stop: StopRequest | None = None,

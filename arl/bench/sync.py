@@ -131,7 +131,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from arl.control.placement import plan_placement
     from arl.run import run
-    from arl.weights import check_plan
 
     first = next(iter(configs.values()))
     device = "cuda" if detect_gpus(first) else "cpu"
@@ -139,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for mode, cfg in configs.items():
         try:
-            resolved = check_plan(mode, plan_placement(cfg, detect_gpus(cfg)))
+            resolved = plan_placement(cfg, detect_gpus(cfg)).sync_mode
         except ConfigError as e:
             print(f"{mode}: skipped, {e}", flush=True)
             continue

@@ -12,7 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Protocol
 
@@ -23,9 +23,10 @@ from arl.control.controller import BindError, Controller, NodeHandle
 from arl.control.launcher import LocalNodes, SlurmNodes
 from arl.control.launchers import launcher_class
 from arl.control.mps import MpsDaemon, control_binary, mps_node_env
-from arl.control.placement import NodeSpec, check_node_count, shares_gpu
+from arl.control.placement import check_node_count, shares_gpu
 from arl.control.ray_launcher import RayNodes
 from arl.protocol.node_config import NodeConfig
+from arl.protocol.plan import NodeSpec, Plan
 from arl.wire.addresses import is_loopback
 from arl.wire.sockets import (
     SECRET_ENV,
@@ -54,11 +55,12 @@ class PlacedNode:
 
 @attrs.define
 class Cluster:
-    """The controller plus the run's nodes by role."""
+    """The controller plus the run's nodes by role, and the plan they were started from."""
 
     controller: Controller
     rollout: list[PlacedNode]
     train: list[PlacedNode]
+    plan: Plan
 
     @property
     def nodes(self) -> list[PlacedNode]:
@@ -171,10 +173,11 @@ class Launcher(Protocol):
 
 @attrs.frozen
 class LaunchRequest:
-    """What every launcher is built from: the run's config, plan, secret and node names."""
+    """What every launcher is built from: the run's config, the plan's nodes, the secret and
+    the node names."""
 
     cfg: Config
-    plan: list[NodeSpec]
+    plan: Sequence[NodeSpec]
     security: Security
     names: list[str]
 
@@ -357,14 +360,14 @@ _SLOW_START = "on a loaded machine, raise cluster.node_start_timeout"
 
 @asynccontextmanager
 async def start_cluster(
-    cfg: Config, plan: list[NodeSpec], security: Security | None = None
+    cfg: Config, plan: Plan, security: Security | None = None
 ) -> AsyncIterator[Cluster]:
     """Start (or attach to) the nodes of ``plan`` and yield them by role."""
     check_node_count(cfg, plan)  # a plan made elsewhere (an embedding program) is checked too
     security = security or run_security(cfg)
     c = cfg.cluster
-    names = [f"{s.role}{s.rank}" for s in plan]
-    launcher = launcher_class(c.launcher)(LaunchRequest(cfg, plan, security, names))
+    names = [f"{s.role}{s.rank}" for s in plan.nodes]
+    launcher = launcher_class(c.launcher)(LaunchRequest(cfg, plan.nodes, security, names))
     async with AsyncExitStack() as stack:
         stack.push_async_callback(launcher.close)  # last out: also after a failed prepare
         await launcher.prepare()
@@ -388,19 +391,22 @@ async def start_cluster(
         # Unwound before the launchers end the nodes: their exits then are expected, not losses.
         stack.callback(ctl.expect_exits)
         handles = await ctl.wait_for_nodes(
-            len(plan),
+            len(plan.nodes),
             timeout=c.node_start_timeout,
             stop_if=launcher.exited,
             hint=launcher.hint(ctl.address),
         )
         by_name = {h.node_id: h for h in handles}
         if set(names) <= set(by_name):
-            placed = [PlacedNode(by_name[name], s) for name, s in zip(names, plan, strict=True)]
+            placed = [
+                PlacedNode(by_name[name], s) for name, s in zip(names, plan.nodes, strict=True)
+            ]
         else:  # nodes named themselves (srun, attach): fill the plan in a stable order
             ordered = sorted(handles, key=lambda h: (h.info.get("host", ""), h.node_id))
-            placed = [PlacedNode(h, s) for h, s in zip(ordered, plan, strict=True)]
+            placed = [PlacedNode(h, s) for h, s in zip(ordered, plan.nodes, strict=True)]
         yield Cluster(
             ctl,
             [p for p in placed if p.spec.role == "rollout"],
             [p for p in placed if p.spec.role == "train"],
+            plan,
         )

@@ -48,7 +48,7 @@ from arl.engines.spec import engine_sizing
 from arl.train.activations import activation_bytes_per_token
 
 if TYPE_CHECKING:
-    from arl.control.placement import NodeSpec
+    from arl.protocol.plan import NodeSpec, Plan
 
 # Elements of one chunk of `arl.train.offload`'s streamed optimizer step (kept in step with it;
 # this module imports no torch).
@@ -162,7 +162,8 @@ def _cached_config(repo_id: str) -> Path | None:
     """A hub id's cached ``config.json`` (no network), or None."""
     from huggingface_hub import try_to_load_from_cache
 
-    from arl.engines.model import DEFAULT_MODEL, cache_root
+    from arl.cache import cache_root
+    from arl.engines.model import DEFAULT_MODEL
 
     try:
         hit = try_to_load_from_cache(repo_id, "config.json")
@@ -290,30 +291,27 @@ def gpu_capacity(cfg: Config, gpu: int) -> tuple[int, str]:
 
 
 def plan_memory(
-    cfg: Config, plan: Sequence[NodeSpec], shape: ModelShape | None = None, source: str = ""
+    cfg: Config, plan: Plan, shape: ModelShape | None = None, source: str = ""
 ) -> MemoryPlan:
     """The memory plan of ``plan`` under ``cfg`` (``shape``: read from ``actor.path`` when
     None). Empty, saying why, for a CPU plan or an unknown model shape."""
-    gpus = sorted({g for n in plan for g in n.gpu_ids})
+    gpus = sorted({g for n in plan.nodes for g in n.gpu_ids})
     if not gpus:
         return MemoryPlan(gpus=(), source="no GPU in the placement plan: nothing to fit")
     if shape is None:
         shape, source = read_model_shape(cfg.actor.path)
         if shape is None:
             return MemoryPlan(gpus=(), source=f"model shape unknown ({source}): not checked")
-    from arl.weights import check_plan
-
-    sync_mode = check_plan(cfg.weight_sync.mode, plan)
     out = []
     for gpu in gpus:
-        on_gpu = [n for n in plan if gpu in n.gpu_ids]
+        on_gpu = [n for n in plan.nodes if gpu in n.gpu_ids]
         shared = {n.role for n in on_gpu} == {"rollout", "train"}
         parts: list[Part] = []
         for node in on_gpu:
             if node.role == "rollout":
                 parts += _engine_parts(cfg, plan, node, shape, shared)
             else:
-                parts += _trainer_parts(cfg, plan, node, shape, sync_mode)
+                parts += _trainer_parts(cfg, plan, node, shape)
         capacity, note = gpu_capacity(cfg, gpu)
         roles = " + ".join(n.role for n in on_gpu)
         if shared:
@@ -346,11 +344,11 @@ def _dtype_bytes(dtype: str) -> int:
 
 
 def _engine_parts(
-    cfg: Config, plan: Sequence[NodeSpec], node: NodeSpec, shape: ModelShape, shared: bool
+    cfg: Config, plan: Plan, node: NodeSpec, shape: ModelShape, shared: bool
 ) -> list[Part]:
     e = _dtype_bytes(cfg.rollout.dtype)
     lora = cfg.actor.lora
-    rows, positions = engine_sizing(cfg, sum(n.role == "rollout" for n in plan))
+    rows, positions = engine_sizing(cfg, len(plan.rollout))
     tp = node.tp_size
     sleeps = shared and cfg.rollout.gpu_sharing == "sleep"
     weights = (shape.n_params() + shape.lora_params(lora.rank, lora.target_modules)) * e // tp
@@ -366,11 +364,9 @@ def _engine_parts(
     ]
 
 
-def _trainer_parts(
-    cfg: Config, plan: Sequence[NodeSpec], node: NodeSpec, shape: ModelShape, sync_mode: str
-) -> list[Part]:
+def _trainer_parts(cfg: Config, plan: Plan, node: NodeSpec, shape: ModelShape) -> list[Part]:
     a = cfg.actor
-    w = sum(n.role == "train" for n in plan)
+    w = len(plan.train)
     c = 4 if a.dtype == "float32" else 2
     p = shape.n_params()
     adapters = shape.lora_params(a.lora.rank, a.lora.target_modules)
@@ -422,7 +418,7 @@ def _trainer_parts(
     parts.append(
         Part(name=f"activations ({tokens} tokens)", gpu=int(per_token * tokens), phases=held)
     )
-    if sync_mode == "ipc_buffer" and node.rank == 0:
+    if plan.sync_mode == "ipc_buffer" and node.rank == 0:
         parts.append(
             Part(
                 name="sync buffer (ipc_buffer)",
@@ -433,12 +429,12 @@ def _trainer_parts(
     return parts
 
 
-def format_memory_plan(cfg: Config, plan: Sequence[NodeSpec]) -> str:
+def format_memory_plan(cfg: Config, plan: Plan) -> str:
     """What ``--dry-run`` prints under its "memory plan" heading."""
     return "# memory plan\n" + plan_memory(cfg, plan).format()
 
 
-def check_memory(cfg: Config, plan: Sequence[NodeSpec]) -> MemoryPlan:
+def check_memory(cfg: Config, plan: Plan) -> MemoryPlan:
     """The memory plan of ``plan``; raises `ConfigError` when a GPU cannot hold its parts,
     naming the first change of `CANDIDATES` (least change first) under which every GPU fits,
     or, when none does, the largest parts. An unknown model shape refuses nothing."""

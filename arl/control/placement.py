@@ -1,41 +1,25 @@
-"""The placement plan: which node runs what, on which device.
+"""Placement: the run's `Plan` (`arl.protocol.plan`), which node runs what, on which device.
 
 Rollout nodes come first (one per inference replica, holding ``tp`` GPUs), then train nodes (one
 per FSDP rank, one GPU each). GPUs are one pool numbered 0..n_gpus-1: rollout takes the first
 ones, training the next. When there are too few GPUs for both but enough for the larger group,
 both groups share the same GPUs (``colocated``). Without GPUs every node runs on the CPU.
+
+The weight-sync mode is decided here, once: ``weight_sync.mode`` (``auto`` resolved) checked
+against the nodes by the modes' own rule (`arl.weights.check_plan`) and stored on the plan,
+which everything after reads.
 """
 
 import os
-from typing import Literal
-
-import attrs
+from collections.abc import Sequence
 
 from arl.config import Backend, Config, ConfigError, parse_backend
 from arl.control.memory import check_memory
+from arl.protocol.plan import NodeSpec, Plan
 from arl.weights import check_plan as check_weight_sync
 
 
-@attrs.frozen(kw_only=True)
-class NodeSpec:
-    """One node daemon of the plan.
-
-    ``device`` is the first physical device the node uses ("cpu" or "cuda:N"); ``gpu_ids`` lists
-    all of them (a tensor-parallel inference replica holds several), for CUDA_VISIBLE_DEVICES.
-    """
-
-    node_id: int
-    role: Literal["rollout", "train"]
-    rank: int  # within its role's group
-    device: str
-    engine: str
-    dp_rank: int
-    tp_size: int
-    gpu_ids: tuple[int, ...] = ()
-    colocated: bool = False
-
-
-def shares_gpu(spec: NodeSpec, train: list[NodeSpec]) -> bool:
+def shares_gpu(spec: NodeSpec, train: Sequence[NodeSpec]) -> bool:
     """Whether a rollout node's engine shares a GPU with one of the ``train`` nodes (specs)."""
     train_gpus = {g for t in train for g in t.gpu_ids}
     return bool(spec.colocated and set(spec.gpu_ids) & train_gpus)
@@ -68,35 +52,36 @@ def detect_gpus(cfg: Config) -> int:
     return n_gpus
 
 
-def place(cfg: Config) -> list[NodeSpec]:
+def place(cfg: Config) -> Plan:
     """The plan of ``cfg`` on the GPUs `detect_gpus` finds."""
     return plan_placement(cfg, detect_gpus(cfg))
 
 
-def plan_placement(cfg: Config, n_gpus: int) -> list[NodeSpec]:
-    """Place the rollout replicas and train ranks of ``cfg`` on ``n_gpus`` GPUs (0: CPU only);
-    refuse a plan that its weight-sync mode cannot run, or whose memory plan does not fit
-    (`arl.control.memory`)."""
-    plan = _place(cfg, n_gpus)
-    check_weight_sync(cfg.weight_sync.mode, plan)  # the mode refuses a plan it cannot run on
+def plan_placement(cfg: Config, n_gpus: int) -> Plan:
+    """Place the rollout replicas and train ranks of ``cfg`` on ``n_gpus`` GPUs (0: CPU only)
+    and resolve its weight-sync mode on them; refuse a plan that the mode cannot run, or whose
+    memory plan does not fit (`arl.control.memory`)."""
+    nodes = _place(cfg, n_gpus)
+    # The one place the mode is decided; a forced mode refuses nodes it cannot run on.
+    plan = Plan(nodes=nodes, sync_mode=check_weight_sync(cfg.weight_sync.mode, nodes))
     check_node_count(cfg, plan)
     check_memory(cfg, plan)  # a GPU that cannot hold its parts, with the option that fits
     return plan
 
 
-def check_node_count(cfg: Config, plan: list[NodeSpec]) -> None:
+def check_node_count(cfg: Config, plan: Plan) -> None:
     """Refuse a ``cluster.n_nodes`` other than the plan's node count (the run starts, or waits
     for, exactly the plan's nodes; a job script that starts another number would not fit)."""
     n_nodes = cfg.cluster.n_nodes
-    if n_nodes is None or n_nodes == len(plan):
+    if n_nodes is None or n_nodes == len(plan.nodes):
         return
-    roles = {r: sum(n.role == r for n in plan) for r in ("rollout", "train")}
+    roles = {"rollout": len(plan.rollout), "train": len(plan.train)}
     raise ConfigError(
-        f"cluster.n_nodes={n_nodes}, but the placement plan has {len(plan)} nodes "
+        f"cluster.n_nodes={n_nodes}, but the placement plan has {len(plan.nodes)} nodes "
         f"({roles['rollout']} rollout from rollout.backend={cfg.rollout.backend}, "
         f"{roles['train']} train from actor.backend={cfg.actor.backend}); set "
-        f"cluster.n_nodes={len(plan)} (or none: the plan's count), or change the d/t in the "
-        "backend strings"
+        f"cluster.n_nodes={len(plan.nodes)} (or none: the plan's count), or change the d/t in "
+        "the backend strings"
     )
 
 
@@ -172,8 +157,8 @@ def _nodes(
     return nodes
 
 
-def format_plan(plan: list[NodeSpec]) -> str:
-    """The plan as a text table, one row per node."""
+def format_plan(plan: Plan) -> str:
+    """The plan's nodes as a text table, one row per node."""
     header = ("node", "role", "rank", "engine", "dp_rank", "tp", "device", "gpus", "colocated")
     rows = [header] + [
         (
@@ -187,7 +172,7 @@ def format_plan(plan: list[NodeSpec]) -> str:
             ",".join(map(str, n.gpu_ids)) or "-",
             "yes" if n.colocated else "no",
         )
-        for n in plan
+        for n in plan.nodes
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = [

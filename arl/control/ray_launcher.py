@@ -43,8 +43,8 @@ from typing import Any
 
 from arl.config import ConfigError
 from arl.control.launcher import node_command
-from arl.control.placement import NodeSpec
 from arl.process import OwnedProcess, spawn
+from arl.protocol.plan import NodeSpec
 from arl.wire.addresses import is_loopback
 from arl.wire.sockets import SECRET_ENV, Security
 

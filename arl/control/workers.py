@@ -132,7 +132,7 @@ def start_weight_sync(
     rollout: RolloutController,
     free: Callable,
 ) -> WeightSync:
-    """The configured weight-sync plug-in (``auto``: the mode the placement plan allows)
+    """The weight-sync plug-in of the mode the placement plan resolved (``cluster.plan``)
     between the (train, rollout) ``workers``."""
     train, rollout_workers = workers
     ctx = SyncContext(
@@ -144,7 +144,7 @@ def start_weight_sync(
         run_path=cfg.run_path,
         free=free,
     )
-    return make_weight_sync(cfg.weight_sync.mode, [p.spec for p in cluster.nodes], ctx)
+    return make_weight_sync(cluster.plan, ctx)
 
 
 def sharing_gpu(cfg: Config, cluster: Cluster) -> list[int]:

@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
 
+from arl.cache import cache_root
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -36,12 +38,6 @@ _PROBE_TIMEOUT_S = 2.0
 
 class ModelResolutionError(RuntimeError):
     """A model name could not be turned into a local directory."""
-
-
-def cache_root(cache_dir: str | None = None) -> Path:
-    """The arl cache directory: ``cache_dir``, else ``$ARL_CACHE``, else ``~/.cache/arl``."""
-    root = cache_dir or os.environ.get("ARL_CACHE") or "~/.cache/arl"
-    return Path(root).expanduser()
 
 
 def resolve_model(name_or_path: str, cache_dir: str | None = None) -> str:

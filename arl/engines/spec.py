@@ -24,8 +24,8 @@ import attrs
 from arl.config import Config, ConfigError
 
 if TYPE_CHECKING:
-    from arl.control.placement import NodeSpec
     from arl.engines.base import Engine
+    from arl.protocol.plan import NodeSpec
 
 # name -> "module:class". The class builds itself from a spec with `from_spec(spec)`.
 ENGINES: dict[str, str] = {

@@ -1,5 +1,7 @@
 """What crosses a process boundary, shared by both sides (DESIGN §9).
 
 rtensor (shard refs, batches), report (group reports, trajectories), errors (the remote error
-table), remote (typed worker interfaces), imports (the import rule), stall (stall reports).
+table), remote (typed worker interfaces), imports (the import rule), stall (stall reports),
+plan (the placement plan: node specs and the resolved weight-sync mode), handles (the started
+cluster as the plug-ins below control/ use it).
 """

@@ -8,8 +8,10 @@
 - ``zmq``: buckets through the data plane (shared memory on one host); ``auto`` on CPU.
 - ``disk``: a safetensors folder per version, reloaded; ``auto`` for server engines.
 
-`check_plan(mode, plan)` resolves ``auto`` and refuses a forced mode the plan cannot run (a
-`ConfigError` naming what to change) before any node starts; `make_weight_sync` builds it.
+`check_plan(mode, nodes)` is the one rule that decides the mode: it resolves ``auto`` and refuses
+a forced mode the nodes cannot run (a `ConfigError` naming what to change). The planner
+(`arl.control.placement`) calls it once and keeps the result on the `arl.protocol.plan.Plan`
+before any node starts; `make_weight_sync` builds the plan's mode.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from arl.config import ConfigError
 from arl.weights.base import NodePart, SyncContext, WeightSync, WeightSyncError
 
 if TYPE_CHECKING:
-    from arl.control.placement import NodeSpec
+    from arl.protocol.plan import NodeSpec, Plan
 
 __all__ = [
     "MODES",
@@ -61,18 +63,18 @@ def sync_class(mode: str) -> type[WeightSync]:
     return getattr(importlib.import_module(module), name)
 
 
-def check_plan(mode: str, plan: Sequence[NodeSpec]) -> str:
-    """The mode to run on ``plan``: ``auto`` resolved by the modes' `suits` in `auto_rank`
+def check_plan(mode: str, nodes: Sequence[NodeSpec]) -> str:
+    """The mode to run on ``nodes``: ``auto`` resolved by the modes' `suits` in `auto_rank`
     order; a named mode checked by its `check_plan` (raises `ConfigError`)."""
     if mode != "auto":
-        sync_class(mode).check_plan(plan)
+        sync_class(mode).check_plan(nodes)
         return mode
     for cls in sorted((sync_class(m) for m in MODES), key=lambda c: c.auto_rank):
-        if cls.suits(plan):
+        if cls.suits(nodes):
             return cls.mode
     raise ConfigError("no weight-sync mode suits this placement plan; set weight_sync.mode")
 
 
-def make_weight_sync(mode: str, plan: Sequence[NodeSpec], ctx: SyncContext) -> WeightSync:
-    """Build the weight sync for ``plan`` (``mode`` may be ``auto``)."""
-    return sync_class(check_plan(mode, plan))(ctx)
+def make_weight_sync(plan: Plan, ctx: SyncContext) -> WeightSync:
+    """Build the weight sync of the mode ``plan`` was placed with."""
+    return sync_class(plan.sync_mode)(ctx)

@@ -23,6 +23,10 @@ rollout worker's ``update_weights(named) -> int`` (the engine paused), ``weights
 device of an engine that takes tensors, None for one that does not) and
 ``update_weights_from_disk(path)``. What each engine accepts is declared in its
 ``weight_targets`` (`arl.engines.base.WeightTarget`); `require_weight_target` checks a plan.
+
+On the controller a mode works with a `SyncContext`, whose cluster, workers and rollout control
+are typed by what it uses of them (`arl.protocol.handles`): arl.weights never imports
+arl.control, which builds the context and implements those protocols.
 """
 
 from __future__ import annotations
@@ -41,10 +45,8 @@ from arl.engines.base import WeightTarget
 from arl.wire.addresses import is_loopback
 
 if TYPE_CHECKING:
-    from arl.control.cluster import Cluster, PlacedNode
-    from arl.control.controller import RemoteObject
-    from arl.control.placement import NodeSpec
-    from arl.control.rollout import RolloutController
+    from arl.protocol.handles import ClusterView, PlacedNodeView, RemotePart, RolloutPause
+    from arl.protocol.plan import NodeSpec
 
 
 log = logging.getLogger("arl.weights")
@@ -58,10 +60,10 @@ class WeightSyncError(RuntimeError):
 class SyncContext:
     """What a weight sync works with: the cluster, the workers, rollout control, its config."""
 
-    cluster: Cluster
-    train: list[RemoteObject]  # train workers, rank order
-    rollout_workers: list[RemoteObject]
-    rollout: RolloutController
+    cluster: ClusterView
+    train: list[RemotePart]  # train workers, rank order
+    rollout_workers: list[RemotePart]
+    rollout: RolloutPause
     config: WeightSyncConfig
     run_path: Path
     free: Callable[[list], Awaitable[None]]  # frees shard refs on every node
@@ -73,11 +75,13 @@ class WeightSync:
     mode: ClassVar[str] = ""
     # `auto` picks the first registered mode whose `suits` holds, in this order (lower first).
     auto_rank: ClassVar[int] = 100
+    # Folders under the run directory this mode writes (checked writable before any node starts).
+    run_dirs: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ctx: SyncContext) -> None:
         self.ctx = ctx
         self.ready = False
-        self._placed: list[list[RemoteObject]] = []  # one list per `place` call
+        self._placed: list[list[RemotePart]] = []  # one list per `place` call
 
     # ---- the plan ---------------------------------------------------------------------------
     @classmethod
@@ -139,7 +143,7 @@ class WeightSync:
                     log.warning("closing a weight-sync part failed: %s", e)
 
     # ---- helpers ----------------------------------------------------------------------------
-    async def place(self, target: str, nodes: Sequence[PlacedNode], **kwargs: Any) -> list:
+    async def place(self, target: str, nodes: Sequence[PlacedNodeView], **kwargs: Any) -> list:
         """Create the node half ``target`` ("arl.weights.mode:Class") on each of ``nodes`` as
         ``weights``; they are destroyed by `close`."""
         made = await asyncio.gather(
@@ -179,7 +183,7 @@ def engine_device(host: Any, mode: str) -> Any:
     return device
 
 
-async def match_engine_dtype(train: list[RemoteObject], workers: list[RemoteObject]) -> None:
+async def match_engine_dtype(train: list[RemotePart], workers: list[RemotePart]) -> None:
     """Tell the train ranks the engines' weight dtype (from their health), if they report one."""
     healths = await asyncio.gather(*(w.health() for w in workers))
     dtypes = sorted({h["dtype"] for h in healths if h.get("dtype")})
@@ -192,7 +196,7 @@ async def match_engine_dtype(train: list[RemoteObject], workers: list[RemoteObje
         await asyncio.gather(*(w.set_sync_dtype(dtypes[0]) for w in train))
 
 
-def rendezvous_host(cluster: Cluster) -> str:
+def rendezvous_host(cluster: ClusterView) -> str:
     """The address of train rank 0's node that the other nodes reach (loopback when local)."""
     if is_loopback(cluster.controller.address):
         return "127.0.0.1"

@@ -19,7 +19,7 @@ from arl.engines.base import WeightTarget
 from arl.weights.base import NodePart, WeightSync, require_weight_target
 
 if TYPE_CHECKING:
-    from arl.control.placement import NodeSpec
+    from arl.protocol.plan import NodeSpec
 
 
 class DiskSync(WeightSync):
@@ -27,6 +27,7 @@ class DiskSync(WeightSync):
 
     mode = "disk"
     auto_rank = 40
+    run_dirs = ("weights",)
 
     @classmethod
     def check_plan(cls, plan: Sequence[NodeSpec]) -> None:
@@ -36,7 +37,7 @@ class DiskSync(WeightSync):
     async def setup(self) -> None:
         """Agree on the dtype; place the receivers."""
         await super().setup()
-        self.directory = self.ctx.run_path / "weights"
+        self.directory = self.ctx.run_path / self.run_dirs[0]
         self.receivers = await self.place(
             "arl.weights.disk:DiskReceiver", self.ctx.cluster.rollout, host="rollout"
         )

@@ -33,7 +33,7 @@ from arl.weights.buckets import (
 )
 
 if TYPE_CHECKING:
-    from arl.control.placement import NodeSpec
+    from arl.protocol.plan import NodeSpec
 
 
 class NcclSync(WeightSync):

@@ -17,7 +17,7 @@ from arl.protocol.rtensor import RTensor, ShardRef
 from arl.weights.base import NodePart, WeightSync, require_inprocess_engines
 
 if TYPE_CHECKING:
-    from arl.control.placement import NodeSpec
+    from arl.protocol.plan import NodeSpec
 
 
 class ZmqSync(WeightSync):

@@ -30,7 +30,6 @@ from arl.config import Config
 from arl.control.placement import plan_placement
 from arl.run import run
 from arl.stats.logger import read_jsonl
-from arl.weights import check_plan
 from tests.support.tiny_model import make_tiny_model, tiny_run_config
 
 pytestmark = [
@@ -82,7 +81,7 @@ def test_auto_on_one_gpu_is_the_persistent_ipc_buffer_and_engine_matches_every_s
 ):
     cfg = gpu_config(tmp_path, tiny_model, 1)
     assert cfg.weight_sync.mode == "auto"
-    assert check_plan("auto", plan_placement(cfg, 1)) == "ipc_buffer"
+    assert plan_placement(cfg, 1).sync_mode == "ipc_buffer"
     _run_and_check(cfg, "auto (ipc_buffer)")
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from arl.config import Config, apply_overrides
 from arl.control.cluster import start_cluster
 from arl.control.launcher import _spawn_watched
-from arl.control.placement import NodeSpec
+from arl.protocol.plan import NodeSpec, Plan
 from arl.wire.addresses import free_port
 from arl.wire.sockets import SECRET_ENV, new_secret
 
@@ -38,9 +38,10 @@ def test_an_attached_node_with_default_flags_takes_the_runs_prefixes_and_heartbe
             f"experiment.run_dir={tmp_path}",
         ],
     )
-    plan = [
-        NodeSpec(node_id=0, role="rollout", rank=0, device="cpu", engine="hf", dp_rank=0, tp_size=1)
-    ]
+    node = NodeSpec(
+        node_id=0, role="rollout", rank=0, device="cpu", engine="hf", dp_rank=0, tp_size=1
+    )
+    plan = Plan(nodes=[node], sync_mode="zmq")
     # What a job script runs: no flag but the address. INFO logs (by the environment, not a
     # flag) show why the node stopped.
     cmd = [sys.executable, "-m", "arl.node.daemon", "--controller", f"tcp://127.0.0.1:{port}"]

@@ -27,9 +27,9 @@ import uvloop
 
 from arl.config import ConfigError
 from arl.control.controller import Controller, NodeLost
-from arl.control.placement import NodeSpec
 from arl.control.ray_launcher import RayNodes
 from arl.process import death_signal_argv
+from arl.protocol.plan import NodeSpec
 from arl.stats.logger import read_jsonl
 from arl.wire.sockets import Security, new_secret
 from tests.support.tiny_model import make_tiny_model, tiny_run_config

@@ -245,11 +245,10 @@ def test_only_engines_on_a_train_ranks_gpu_share_it():
     from arl.control.placement import shares_gpu
 
     plan = plan_placement(_cfg("rollout.backend=hf:d2", "actor.backend=fsdp:d1"), n_gpus=2)
-    train = [n for n in plan if n.role == "train"]
-    got = {n.gpu_ids: shares_gpu(n, train) for n in plan if n.role == "rollout"}
+    got = {n.gpu_ids: shares_gpu(n, plan.train) for n in plan.rollout}
     assert got == {(0,): True, (1,): False}, (got, plan)
     cpu = plan_placement(_cfg(), n_gpus=0)
-    assert not any(shares_gpu(n, [t for t in cpu if t.role == "train"]) for n in cpu)
+    assert not any(shares_gpu(n, cpu.train) for n in cpu.nodes)
 
 
 # ---- placement of the modes -------------------------------------------------------------------

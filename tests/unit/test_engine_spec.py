@@ -37,7 +37,7 @@ def _specs(overrides: list[str], n_gpus: int) -> list[EngineSpec]:
     cfg = apply_overrides(Config(), overrides)
     cfg.validate()
     plan = plan_placement(cfg, n_gpus)
-    return [engine_spec(cfg, n, "/models/m") for n in plan if n.role == "rollout"]
+    return [engine_spec(cfg, n, "/models/m") for n in plan.rollout]
 
 
 def _dry_run(*args: str) -> subprocess.CompletedProcess:

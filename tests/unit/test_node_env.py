@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from arl.config import Config
 from arl.control.cluster import node_env
-from arl.control.placement import NodeSpec
+from arl.protocol.plan import NodeSpec
 
 
 def _spec(*gpus: int) -> NodeSpec:

@@ -4,6 +4,7 @@ import pytest
 
 from arl.config import Config, ConfigError, apply_overrides
 from arl.control.placement import format_plan, plan_placement
+from arl.protocol.plan import Plan
 
 
 def _cfg(rollout: str = "hf:d1", train: str = "fsdp:d1", *more: str) -> Config:
@@ -17,7 +18,7 @@ def _summary(plan):
 
 
 def test_cpu_one_node_per_replica_and_rank():
-    plan = plan_placement(_cfg("hf:d2", "fsdp:d3"), n_gpus=0)
+    plan = plan_placement(_cfg("hf:d2", "fsdp:d3"), n_gpus=0).nodes
     assert _summary(plan) == [
         (0, "rollout", 0, "cpu", (), False),
         (1, "rollout", 1, "cpu", (), False),
@@ -35,7 +36,7 @@ def test_cpu_refuses_gpu_only_weight_sync():
 
 
 def test_one_gpu_is_shared_by_rollout_and_training():
-    plan = plan_placement(_cfg(), n_gpus=1)
+    plan = plan_placement(_cfg(), n_gpus=1).nodes
     assert _summary(plan) == [
         (0, "rollout", 0, "cuda:0", (0,), True),
         (1, "train", 0, "cuda:0", (0,), True),
@@ -43,7 +44,7 @@ def test_one_gpu_is_shared_by_rollout_and_training():
 
 
 def test_two_gpus_separate_rollout_and_training():
-    plan = plan_placement(_cfg(), n_gpus=2)
+    plan = plan_placement(_cfg(), n_gpus=2).nodes
     assert _summary(plan) == [
         (0, "rollout", 0, "cuda:0", (0,), False),
         (1, "train", 0, "cuda:1", (1,), False),
@@ -51,7 +52,7 @@ def test_two_gpus_separate_rollout_and_training():
 
 
 def test_eight_gpus_tensor_parallel_replicas_then_train_ranks():
-    plan = plan_placement(_cfg("sglang:d2t2", "fsdp:d4"), n_gpus=8)
+    plan = plan_placement(_cfg("sglang:d2t2", "fsdp:d4"), n_gpus=8).nodes
     assert _summary(plan) == [
         (0, "rollout", 0, "cuda:0", (0, 1), False),
         (1, "rollout", 1, "cuda:2", (2, 3), False),
@@ -64,7 +65,7 @@ def test_eight_gpus_tensor_parallel_replicas_then_train_ranks():
 
 
 def test_eight_gpus_colocate_when_groups_need_more_than_eight():
-    plan = plan_placement(_cfg("sglang:d8", "fsdp:d8"), n_gpus=8)
+    plan = plan_placement(_cfg("sglang:d8", "fsdp:d8"), n_gpus=8).nodes
     assert all(n.colocated for n in plan)
     assert [n.device for n in plan if n.role == "rollout"] == [f"cuda:{i}" for i in range(8)]
     assert [n.device for n in plan if n.role == "train"] == [f"cuda:{i}" for i in range(8)]
@@ -92,6 +93,11 @@ def test_format_plan_has_a_row_per_node():
         "gpus",
         "colocated",
     ]
-    assert len(lines) == 2 + len(plan)
+    assert len(lines) == 2 + len(plan.nodes)
     assert lines[2].split() == ["0", "rollout", "0", "sglang", "0", "2", "cuda:0", "0,1", "no"]
     assert lines[-1].split() == ["5", "train", "3", "fsdp", "3", "1", "cuda:7", "7", "no"]
+
+
+def test_a_plan_holds_a_resolved_mode_never_auto():
+    with pytest.raises(ValueError, match="resolve 'auto'"):
+        Plan(nodes=(), sync_mode="auto")

@@ -37,7 +37,7 @@ def _nodes(plan, **kw) -> RayNodes:
 
 def _plan(rollout: str, train: str, n_gpus: int, *more: str):
     cfg = apply_overrides(Config(), [f"rollout.backend={rollout}", f"actor.backend={train}", *more])
-    return plan_placement(cfg, n_gpus)
+    return plan_placement(cfg, n_gpus).nodes
 
 
 def test_without_ray_installed_the_error_says_how_to_install(monkeypatch):

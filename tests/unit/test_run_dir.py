@@ -20,6 +20,11 @@ def _cfg(tmp_path, *overrides: str) -> Config:
     )
 
 
+def _claim(cfg: Config, run_id: str | None = None):
+    """Claim as the launcher does for a CPU plan, whose weight sync writes no folder (zmq)."""
+    return claim_run_dir(cfg, run_id, sync_mode="zmq")
+
+
 def _finished(cfg: Config, rows: int = 2, checkpoint: int | None = None, **state) -> None:
     """Leave in cfg.run_path what a finished run leaves: metrics rows, an HF export, and (with
     ``checkpoint``) a recovery checkpoint of that step (``state``: more of its state.json)."""
@@ -35,17 +40,17 @@ def _finished(cfg: Config, rows: int = 2, checkpoint: int | None = None, **state
 
 def test_a_second_claim_is_refused_naming_the_holder(tmp_path):
     cfg = _cfg(tmp_path)
-    first = claim_run_dir(cfg, "run-a")
+    first = _claim(cfg, "run-a")
     holder = json.loads((cfg.run_path / LOCK_NAME).read_text())
     assert (holder["pid"], holder["run_id"]) == (os.getpid(), "run-a")
     with pytest.raises(RunDirError) as info:
-        claim_run_dir(cfg, "run-b")
+        _claim(cfg, "run-b")
     message = str(info.value)
     assert f"{cfg.run_path} is in use by another run: pid {os.getpid()} on host " in message
     assert socket.gethostname() in message and "experiment.trial=trial1" in message
     assert json.loads((cfg.run_path / LOCK_NAME).read_text())["run_id"] == "run-a"
     first.release()
-    claim_run_dir(cfg, "run-c").release()  # free again once the holder let go
+    _claim(cfg, "run-c").release()  # free again once the holder let go
 
 
 def test_the_lock_of_a_killed_holder_is_free_again(tmp_path):
@@ -63,18 +68,18 @@ def test_the_lock_of_a_killed_holder_is_free_again(tmp_path):
     try:
         assert proc.stdout.readline().strip() == "held"
         with pytest.raises(RunDirError, match="in use by another run"):
-            claim_run_dir(cfg)
+            _claim(cfg)
     finally:
         proc.kill()
         proc.wait()
-    claim_run_dir(cfg).release()
+    _claim(cfg).release()
 
 
 def test_a_finished_run_is_refused_with_three_ways_on(tmp_path):
     cfg = _cfg(tmp_path)
     _finished(cfg)
     with pytest.raises(RunDirError) as info:
-        claim_run_dir(cfg)
+        _claim(cfg)
     message = str(info.value)
     assert "already holds a run (metrics.jsonl with 2 rows, checkpoints/step2)" in message
     assert "cannot be resumed: it kept no recovery checkpoint (recover.mode=auto" in message
@@ -87,16 +92,16 @@ def test_the_refusal_says_how_to_resume_when_a_checkpoint_is_there(tmp_path):
     cfg = _cfg(tmp_path, "experiment.total_train_steps=4")
     _finished(cfg, rows=2, checkpoint=2)
     with pytest.raises(RunDirError, match="resume it from its step-2 checkpoint add recover.mode"):
-        claim_run_dir(cfg)
+        _claim(cfg)
     done = _cfg(tmp_path, "experiment.total_train_steps=2", "recover.mode=auto")
     with pytest.raises(RunDirError, match=r"total_train_steps=N with N > 2"):
-        claim_run_dir(done)  # resuming a run that reached its last step would train nothing
+        _claim(done)  # resuming a run that reached its last step would train nothing
 
 
 def test_recover_auto_resumes_an_unfinished_run(tmp_path):
     cfg = _cfg(tmp_path, "experiment.total_train_steps=4", "recover.mode=auto")
     _finished(cfg, rows=2, checkpoint=2)
-    claim = claim_run_dir(cfg)
+    claim = _claim(cfg)
     assert claim.resume_step == 2 and claim.moved_to is None
     assert (cfg.run_path / "metrics.jsonl").read_text().count("step") == 2
     claim.release()
@@ -105,7 +110,7 @@ def test_recover_auto_resumes_an_unfinished_run(tmp_path):
 def test_a_stop_checkpoint_resumes_without_recover_auto(tmp_path):
     cfg = _cfg(tmp_path, "experiment.total_train_steps=6")
     _finished(cfg, rows=2, checkpoint=2, stopped=True)
-    claim = claim_run_dir(cfg)  # the same command again, as a Slurm requeue runs it
+    claim = _claim(cfg)  # the same command again, as a Slurm requeue runs it
     assert claim.resume_step == 2
     claim.release()
 
@@ -114,14 +119,14 @@ def test_a_spent_stop_checkpoint_is_not_resumed_again(tmp_path):
     cfg = _cfg(tmp_path, "experiment.total_train_steps=6")
     _finished(cfg, rows=6, checkpoint=2, stopped=True, spent=True)
     with pytest.raises(RunDirError, match="its step-2 recovery checkpoint is older than that"):
-        claim_run_dir(cfg)
+        _claim(cfg)
 
 
 def test_overwrite_moves_the_earlier_run_aside(tmp_path):
     cfg = _cfg(tmp_path, "experiment.overwrite=true")
     _finished(cfg)
     (cfg.run_path / "notes.txt").write_text("mine")
-    claim = claim_run_dir(cfg)
+    claim = _claim(cfg)
     aside = claim.moved_to
     assert aside.parent == cfg.run_path.parent and aside.name.startswith("trial0.replaced-")
     assert (aside / "notes.txt").read_text() == "mine"
@@ -136,7 +141,7 @@ def test_overwrite_moves_the_earlier_run_aside(tmp_path):
 def test_a_new_trial_beside_a_finished_one_is_free(tmp_path):
     _finished(_cfg(tmp_path))
     new = _cfg(tmp_path, "experiment.trial=trial1")
-    claim = claim_run_dir(new)  # raises RunDirError if the finished trial blocked it
+    claim = _claim(new)  # raises RunDirError if the finished trial blocked it
     assert claim.path == new.run_path and claim.resume_step is None
     claim.release()
 
@@ -146,13 +151,27 @@ def test_checkpoints_being_a_file_is_found_before_launch(tmp_path):
     cfg.run_path.mkdir(parents=True)
     (cfg.run_path / "checkpoints").write_text("not a folder")
     with pytest.raises(RunDirError) as info:
-        claim_run_dir(cfg)
+        _claim(cfg)
     message = str(info.value)
     assert f"{cfg.run_path / 'checkpoints'} is a file" in message
     assert "the trained model" in message and "saver.hf_export=false" in message
     # Turning the export off is a way out the message names, also with periodic exports set
     # (hf_export=false exports nothing, so nothing is written there).
-    claim_run_dir(_cfg(tmp_path, "saver.hf_export=false", "saver.freq_steps=2")).release()
+    _claim(_cfg(tmp_path, "saver.hf_export=false", "saver.freq_steps=2")).release()
+
+
+def test_the_weights_folder_is_checked_when_the_plan_syncs_through_disk(tmp_path):
+    """The folder follows the plan's resolved mode, never the engine's name: a server engine
+    with auto resolves to disk at placement; an hf engine forced to disk writes there too."""
+    cfg = _cfg(tmp_path, "rollout.backend=hf:d1")
+    cfg.run_path.mkdir(parents=True)
+    (cfg.run_path / "weights").write_text("not a folder")
+    _claim(cfg).release()  # zmq writes no folder: the file is in nobody's way
+    with pytest.raises(RunDirError) as info:
+        claim_run_dir(cfg, sync_mode="disk")
+    message = str(info.value)
+    assert f"{cfg.run_path / 'weights'} is a file" in message
+    assert "weight_sync.mode=disk" in message
 
 
 def test_a_read_only_mount_under_the_run_is_found_before_launch(tmp_path):
@@ -168,7 +187,7 @@ def test_a_read_only_mount_under_the_run_is_found_before_launch(tmp_path):
         pytest.skip(f"mount refused here: {res.stderr.decode().strip()}")
     try:
         with pytest.raises(RunDirError) as info:
-            claim_run_dir(cfg)
+            _claim(cfg)
     finally:
         subprocess.run(["umount", str(ckpts)], check=True)
     message = str(info.value)

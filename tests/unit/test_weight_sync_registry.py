@@ -1,5 +1,6 @@
-"""The weight-sync registry: ``auto`` chosen by the placement plan, forced modes refused with a
-message before any node starts, and the trainer and the placement naming no mode."""
+"""The weight-sync registry: ``auto`` resolved once, at placement, and kept on the plan; forced
+modes refused with a message before any node starts; the trainer and the placement naming no
+mode."""
 
 import ast
 from pathlib import Path
@@ -32,7 +33,9 @@ def _plan(rollout: str, train: str, n_gpus: int, *more: str):
     ],
 )
 def test_auto_picks_the_fastest_mode_the_plan_supports(rollout, train, n_gpus, want):
-    assert check_plan("auto", _plan(rollout, train, n_gpus)) == want
+    plan = _plan(rollout, train, n_gpus)
+    assert plan.sync_mode == want
+    assert check_plan("auto", plan.nodes) == want  # the rule the planner applied
 
 
 @pytest.mark.parametrize(
@@ -53,11 +56,14 @@ def test_a_forced_mode_the_plan_cannot_run_is_refused_at_placement(mode, rollout
 
 
 def test_forced_modes_that_fit_are_kept():
-    assert check_plan("nccl", _plan("hf:d1", "fsdp:d1", 0)) == "nccl"  # gloo stand-in on CPU
-    assert check_plan("ipc_buffer", _plan("hf:d2", "fsdp:d1", 0)) == "ipc_buffer"  # shm file
-    assert check_plan("ipc", _plan("hf:d1", "fsdp:d1", 1)) == "ipc"
-    assert check_plan("zmq", _plan("hf:d1", "fsdp:d1", 1)) == "zmq"
-    assert check_plan("disk", _plan("hf:d1", "fsdp:d1", 1)) == "disk"
+    def placed(rollout: str, n_gpus: int, mode: str) -> str:
+        return _plan(rollout, "fsdp:d1", n_gpus, f"weight_sync.mode={mode}").sync_mode
+
+    assert placed("hf:d1", 0, "nccl") == "nccl"  # gloo stand-in on CPU
+    assert placed("hf:d2", 0, "ipc_buffer") == "ipc_buffer"  # shm file
+    assert placed("hf:d1", 1, "ipc") == "ipc"
+    assert placed("hf:d1", 1, "zmq") == "zmq"
+    assert placed("hf:d1", 1, "disk") == "disk"
 
 
 def test_registry_names_match_their_classes_and_unknown_names_are_refused():
@@ -68,7 +74,7 @@ def test_registry_names_match_their_classes_and_unknown_names_are_refused():
         sync_class("ncll")
 
 
-def test_make_weight_sync_builds_the_mode_auto_resolves_to():
+def test_make_weight_sync_builds_the_mode_the_plan_resolved():
     ctx = SyncContext(
         cluster=None,
         train=[],
@@ -78,7 +84,7 @@ def test_make_weight_sync_builds_the_mode_auto_resolves_to():
         run_path=Path("."),
         free=None,
     )
-    sync = make_weight_sync("auto", _plan("hf:d1", "fsdp:d1", 1), ctx)
+    sync = make_weight_sync(_plan("hf:d1", "fsdp:d1", 1), ctx)
     assert type(sync).mode == "ipc_buffer" and sync.ctx is ctx
 
 
@@ -90,6 +96,12 @@ def _string_constants(path: Path) -> set[str]:
 
 def test_the_trainer_and_the_placement_name_no_mode():
     root = Path(arl.__file__).parent
-    for rel in ("trainer.py", "control/workers.py", "control/placement.py"):
+    for rel in (
+        "trainer.py",
+        "run_dir.py",
+        "control/workers.py",
+        "control/placement.py",
+        "control/cluster.py",
+    ):
         named = _string_constants(root / rel) & set(MODES)
         assert not named, f"{rel} names weight-sync modes {named}: use the arl.weights registry"
