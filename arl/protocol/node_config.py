@@ -15,12 +15,12 @@ from typing import Any
 
 import attrs
 
-from arl.protocol.wire import WireError, WireStruct
+from arl.protocol.wire import WireStruct, WireStructError
 
 MiB = 2**20
 
 
-class NodeConfigError(WireError):
+class NodeConfigError(WireStructError):
     """A node config map that is not one (a missing, unknown or mistyped field)."""
 
 

@@ -17,14 +17,14 @@ import attrs
 
 from arl.protocol import wire
 from arl.protocol.rtensor import RTensor
-from arl.protocol.wire import WireError, WireStruct
+from arl.protocol.wire import WireStruct, WireStructError
 
 
 class UnknownRemoteMethod(AttributeError):
     """A remote call of a method that the remote interface does not declare."""
 
 
-class StatsError(WireError):
+class StatsError(WireStructError):
     """A train rank's statistics of the wrong shape."""
 
 

@@ -19,14 +19,14 @@ from typing import Any
 import attrs
 
 from arl.protocol.rtensor import RTensorError, ShardRef
-from arl.protocol.wire import WireError, WireStruct
+from arl.protocol.wire import WireStruct, WireStructError
 
 # The tensors every trajectory has (layout: arl.workflows.base); others travel with the shard.
 TRAJECTORY_KEYS = ("input_ids", "attention_mask", "loss_mask", "logprobs", "versions", "rewards")
 SAMPLE_TEXT_CHARS = 500  # the first sample's text a report carries, for logs
 
 
-class ReportError(WireError):
+class ReportError(WireStructError):
     """A malformed group report or trajectory (from the wire, or from a workflow)."""
 
 

@@ -13,13 +13,13 @@ from typing import Any
 
 import attrs
 
-from arl.protocol.wire import WireError, WireStruct
+from arl.protocol.wire import WireStruct, WireStructError
 
 WIRE_TAG = "__rtensor__"
 LAYOUTS = ("concat",)  # "concat": the batch is the shards' rows, dim 0, in ref order
 
 
-class RTensorError(WireError):
+class RTensorError(WireStructError):
     """A malformed RTensor or shard ref (e.g. from the wire)."""
 
 

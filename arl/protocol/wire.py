@@ -11,10 +11,10 @@ and ``Cls.from_wire(value)`` rebuilds it, so decoding is the validation:
   coerced, so ``"2"`` or ``True`` for an integer is refused;
 - the attrs validators and ``__attrs_post_init__`` run last, as on any construction.
 
-A bad value raises the class's ``wire_error`` (a `WireError` by default) with every problem, each
-naming the struct and the field's path: ``RTensor: 'refs[0].nbytes' must be an integer, got
-'8'``. An error the class's own checks raise with a type of their own (``ConfigError``,
-``WeightTransferError``) reaches the caller unchanged.
+A bad value raises the class's ``wire_error`` (a `WireStructError` by default) with every
+problem, each naming the struct and the field's path: ``RTensor: 'refs[0].nbytes' must be an
+integer, got '8'``. An error the class's own checks raise with a type of their own
+(``ConfigError``, ``WeightTransferError``) reaches the caller unchanged.
 
 Per class: ``wire_tag = (key, value)`` puts a marker key first in the map (an RTensor among call
 arguments, a rejected group among reports); ``wire_as_list = True`` encodes the fields as one
@@ -47,7 +47,7 @@ T = TypeVar("T", bound="WireStruct")
 NanFloat = NewType("NanFloat", float)
 
 
-class WireError(ValueError):
+class WireStructError(ValueError):
     """A wire value that is not the struct it claims to be (a missing, unknown or mistyped
     field); the message names the struct and each field that is wrong."""
 
@@ -58,7 +58,7 @@ class WireStruct:
     """Base of the attrs classes that cross the wire (see the module docstring)."""
 
     __slots__ = ()
-    wire_error: ClassVar[type[Exception]] = WireError
+    wire_error: ClassVar[type[Exception]] = WireStructError
     wire_tag: ClassVar[tuple[str, Any] | None] = None
     wire_optional: ClassVar[frozenset[str]] = frozenset()
     wire_as_list: ClassVar[bool] = False
