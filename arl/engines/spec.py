@@ -4,9 +4,10 @@
 an `EngineSpec` on the launcher side: the engine's registered name, the model, the device, the
 dtype, the seed, the tensor-parallel size (the ``t`` of ``vllm:d2t2``), and for the server
 engines the interpreter, the extra server arguments and the start timeout. The spec travels to
-the node as a plain msgpack map (`to_wire` / `from_wire`) and becomes an engine there through
-the class registered under its name in `ENGINES` (`build_engine`). An engine that runs in the
-node process also gets its sizing for the run (`engine_options`: rows, length, warm-up).
+the node as a plain msgpack map (a wire struct: `to_wire` / `from_wire`) and becomes an engine
+there through the class registered under its name in `ENGINES` (`build_engine`). An engine that
+runs in the node process also gets its sizing for the run (`engine_options`: rows, length,
+warm-up).
 
 For the server engines `server_command(spec)` is the exact command line the node will run,
 which ``--dry-run`` prints. The flags arl derives from the spec (model, host, port, dtype,
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from arl.config import Config, ConfigError
+from arl.protocol.wire import WireStruct
 
 if TYPE_CHECKING:
     from arl.engines.base import Engine
@@ -39,8 +41,9 @@ PORT_PLACEHOLDER = "<port>"  # the server's port is picked free on its node when
 
 
 @attrs.frozen(kw_only=True)
-class EngineSpec:
-    """One rollout node's engine: what to build and with which settings."""
+class EngineSpec(WireStruct):
+    """One rollout node's engine: what to build and with which settings (a wire struct: every
+    field travels, and a node refuses a map with one missing, unknown or mistyped)."""
 
     name: str
     model_path: str
@@ -79,51 +82,6 @@ class EngineSpec:
     def is_server(self) -> bool:
         """Whether the engine is an inference server that the node starts as a process."""
         return self.name in SERVER_ENGINES
-
-    def to_wire(self) -> dict:
-        """A plain msgpack map."""
-        d = attrs.asdict(self)
-        d["server_args"] = list(self.server_args)
-        return d
-
-    @classmethod
-    def from_wire(cls, d: Any) -> EngineSpec:
-        """Rebuild a spec from `to_wire`'s map, naming the field that is missing or mistyped."""
-        if not isinstance(d, dict):
-            raise ValueError(f"engine spec must be a map, got {type(d).__name__}")
-        types = {
-            "name": str,
-            "model_path": str,
-            "device": str,
-            "dtype": str,
-            "seed": int,
-            "tp_size": int,
-            "python": str,
-            "server_args": list,
-            "start_timeout_s": (int, float),
-            "lora_rank": int,
-            "sleep_mode": bool,
-        }
-        unknown = set(d) - set(types)
-        if unknown:
-            raise ValueError(f"engine spec: unknown field(s) {sorted(unknown)}")
-        for key, typ in types.items():
-            if key not in d:
-                raise ValueError(f"engine spec: field {key!r} is missing")
-            if not isinstance(d[key], typ) or (isinstance(d[key], bool) and typ is not bool):
-                raise ValueError(
-                    f"engine spec: field {key!r} has type {type(d[key]).__name__}, expected "
-                    f"{getattr(typ, '__name__', typ)}"
-                )
-        if not all(isinstance(a, str) for a in d["server_args"]):
-            raise ValueError("engine spec: server_args must be strings")
-        return cls(
-            **{
-                **d,
-                "server_args": tuple(d["server_args"]),
-                "start_timeout_s": float(d["start_timeout_s"]),
-            }
-        )
 
 
 def engine_spec(

@@ -39,16 +39,15 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from arl.node.shard_store import (
-    ShardMeta,
     ShardNotFound,
     ShardStore,
     StoredShard,
-    TensorSlot,
     map_segment,
     sweep_orphans,
 )
 from arl.protocol.errors import ErrorKind
 from arl.protocol.rtensor import RTensor, ShardRef, is_wire_rtensor
+from arl.protocol.shards import ShardMeta, TensorSlot
 from arl.wire.codec import (
     Message,
     WireError,

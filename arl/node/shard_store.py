@@ -27,11 +27,11 @@ import threading
 import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
 
 import attrs
 import torch
 
+from arl.protocol.shards import ShardMeta, TensorSlot
 from arl.wire.codec import dtype_name, parse_dtype
 
 log = logging.getLogger(__name__)
@@ -56,58 +56,6 @@ class ShardNotFound(KeyError):
 
 class ShardExists(ValueError):
     """``put`` of a key the store already holds; shard keys must be unique per node."""
-
-
-@attrs.frozen
-class TensorSlot:
-    """Where one named tensor lies in a shard's buffer."""
-
-    name: str
-    dtype: str  # wire dtype name (arl.wire.codec)
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-    def to_wire(self) -> list:
-        """``[name, dtype, shape, offset, nbytes]`` (plain msgpack values)."""
-        return [self.name, self.dtype, list(self.shape), self.offset, self.nbytes]
-
-    @classmethod
-    def from_wire(cls, v: Any) -> TensorSlot:
-        """Inverse of ``to_wire``; raises ValueError on a malformed slot."""
-        if not isinstance(v, list | tuple) or len(v) != 5:
-            raise ValueError(f"tensor slot must be [name, dtype, shape, offset, nbytes], got {v!r}")
-        name, dtype, shape, offset, nbytes = v
-        parse_dtype(dtype)
-        if not all(isinstance(s, int) and s >= 0 for s in shape):
-            raise ValueError(f"tensor {name!r} has a bad shape {shape!r}")
-        return cls(str(name), dtype, tuple(shape), int(offset), int(nbytes))
-
-
-@attrs.frozen
-class ShardMeta:
-    """What the controller learns about a stored shard (never its bytes)."""
-
-    key: str
-    nbytes: int
-    n_tokens: int
-    shapes: dict[str, list[int]]
-    dtypes: dict[str, str]
-
-    def to_wire(self) -> dict:
-        """Plain msgpack-able dict."""
-        return attrs.asdict(self)
-
-    @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> ShardMeta:
-        """Inverse of ``to_wire``."""
-        return cls(
-            str(d["key"]),
-            int(d["nbytes"]),
-            int(d["n_tokens"]),
-            {k: list(v) for k, v in d["shapes"].items()},
-            dict(d["dtypes"]),
-        )
 
 
 @attrs.define(eq=False)

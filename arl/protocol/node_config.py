@@ -11,20 +11,17 @@ keeps its flags.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
-from arl.protocol.errors import ErrorKind
+from arl.protocol.wire import WireStruct, WireStructError
 
 MiB = 2**20
 
 
-class NodeConfigError(ValueError):
+class NodeConfigError(WireStructError):
     """A node config map that is not one (a missing, unknown or mistyped field)."""
-
-    error_kind = ErrorKind.MALFORMED
 
 
 def _positive(inst: Any, a: attrs.Attribute, value: float) -> None:
@@ -33,8 +30,13 @@ def _positive(inst: Any, a: attrs.Attribute, value: float) -> None:
 
 
 @attrs.frozen(kw_only=True)
-class NodeConfig:
-    """The run's settings a node applies (``cluster.*`` and ``transport.*`` of the same name)."""
+class NodeConfig(WireStruct):
+    """The run's settings a node applies (``cluster.*`` and ``transport.*`` of the same name).
+
+    Every field travels; a node refuses a map with one missing or unknown (`WireStruct`).
+    """
+
+    wire_error = NodeConfigError
 
     heartbeat_interval: float = attrs.field(default=1.0, validator=_positive)
     heartbeat_timeout: float = attrs.field(default=10.0, validator=_positive)
@@ -43,35 +45,3 @@ class NodeConfig:
     # Chosen by `python -m arl.bench rtensor --chunk-mib 1 4 16 64` (arl.node.data_plane).
     pull_chunk_bytes: int = attrs.field(default=MiB, validator=_positive)
     shared_memory: bool = True
-
-    def to_wire(self) -> dict[str, Any]:
-        """Plain msgpack-able map."""
-        d = attrs.asdict(self)
-        d["allowed_import_prefixes"] = list(self.allowed_import_prefixes)
-        return d
-
-    @classmethod
-    def from_wire(cls, d: Any) -> NodeConfig:
-        """Check every field of the map ``d``; `NodeConfigError` names the first one wrong."""
-        if not isinstance(d, Mapping):
-            raise NodeConfigError(f"a node config must be a map, got {type(d).__name__}")
-        names = {a.name: a for a in attrs.fields(cls)}
-        unknown = sorted(set(d) - set(names))
-        missing = sorted(set(names) - set(d))
-        if unknown or missing:
-            raise NodeConfigError(
-                f"node config fields: unknown {unknown}, missing {missing} "
-                "(node and controller of different arl versions?)"
-            )
-        kinds = {"heartbeat_interval": (int, float), "heartbeat_timeout": (int, float)}
-        kinds |= {"max_message_bytes": int, "pull_chunk_bytes": int, "shared_memory": bool}
-        for name, kind in kinds.items():
-            v = d[name]
-            if not isinstance(v, kind) or (kind is not bool and isinstance(v, bool)):
-                raise NodeConfigError(f"node config {name}={v!r}: wrong type")
-        prefixes = d["allowed_import_prefixes"]
-        if not isinstance(prefixes, list) or not all(isinstance(p, str) for p in prefixes):
-            raise NodeConfigError(
-                f"node config allowed_import_prefixes={prefixes!r}: must be a list of str"
-            )
-        return cls(**{**d, "allowed_import_prefixes": tuple(prefixes)})

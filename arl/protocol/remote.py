@@ -10,24 +10,22 @@ into `LoadedBatch` and `StepStats`. Underneath, the wire stays a method-name cal
 
 from __future__ import annotations
 
-import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from arl.protocol.errors import ErrorKind
+from arl.protocol import wire
 from arl.protocol.rtensor import RTensor
+from arl.protocol.wire import WireStruct, WireStructError
 
 
 class UnknownRemoteMethod(AttributeError):
     """A remote call of a method that the remote interface does not declare."""
 
 
-class StatsError(ValueError):
+class StatsError(WireStructError):
     """A train rank's statistics of the wrong shape."""
-
-    error_kind = ErrorKind.MALFORMED
 
 
 @runtime_checkable
@@ -98,49 +96,40 @@ def api_methods(api: type) -> frozenset[str]:
 
 
 @attrs.frozen
-class LoadedBatch:
+class LoadedBatch(WireStruct):
     """What a rank loaded for a step."""
 
-    n_seqs: int
-    n_tokens: int
+    wire_error = StatsError
 
-    @classmethod
-    def from_wire(cls, d: Any) -> LoadedBatch:
-        """From `TrainWorker.load_batch`'s map; raises StatsError naming what is wrong."""
-        if not isinstance(d, Mapping):
-            raise StatsError(f"load_batch must answer a map, got {type(d).__name__}")
-        for name in ("n_seqs", "n_tokens"):
-            v = d.get(name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise StatsError(f"load_batch's {name!r} must be an integer >= 0, got {v!r}")
-        return cls(d["n_seqs"], d["n_tokens"])
+    n_seqs: int = attrs.field(validator=attrs.validators.ge(0))
+    n_tokens: int = attrs.field(validator=attrs.validators.ge(0))
 
 
 @attrs.frozen
-class StepStats:
-    """One rank's statistics of a PPO update, by name (NaN travels as the text ``"nan"``)."""
+class StepStats(WireStruct):
+    """One rank's statistics of a PPO update, by name (NaN travels as the text ``"nan"``).
+
+    Its wire form is the map ``values`` itself, not empty (hooks registered below).
+    """
+
+    wire_error = StatsError
 
     values: dict[str, float] = attrs.field(hash=False)
 
     def __getitem__(self, name: str) -> float:
         return self.values[name]
 
-    def to_wire(self) -> dict:
-        """Plain msgpack-able map."""
-        return {k: "nan" if math.isnan(v) else v for k, v in self.values.items()}
 
-    @classmethod
-    def from_wire(cls, d: Any) -> StepStats:
-        """From `TrainWorker.ppo_update`'s map; raises StatsError naming a bad entry."""
-        if not isinstance(d, Mapping) or not d:
-            raise StatsError(f"ppo_update must answer a non-empty map, got {d!r}")
-        out: dict[str, float] = {}
-        for k, v in d.items():
-            ok = isinstance(v, int | float) and not isinstance(v, bool)
-            if not isinstance(k, str) or not (ok or v in ("nan", "inf", "-inf")):
-                raise StatsError(f"ppo_update statistic {k!r} must be a number, got {v!r}")
-            out[k] = float(v)
-        return cls(out)
+def _stats_from_map(d: Any, _: Any) -> StepStats:
+    if isinstance(d, Mapping) and not d:
+        raise StatsError("StepStats: ppo_update must answer a non-empty map, got {}")
+    return StepStats(wire.converter.structure(d, dict[str, wire.NanFloat]))
+
+
+wire.converter.register_structure_hook(StepStats, _stats_from_map)
+wire.converter.register_unstructure_hook(
+    StepStats, lambda s: wire.converter.unstructure(s.values, dict[str, wire.NanFloat])
+)
 
 
 # ``call(method, per_rank_args)``: one call on every rank at once, results in rank order.

@@ -2,32 +2,32 @@
 
 An RTensor lists shard refs (owner node, key, byte and token counts, per-tensor shapes and
 dtypes) plus the batch layout, and where to reach each owner's data plane. Its wire form is a
-plain msgpack-able dict, a few hundred bytes per shard whatever the sequence length. Passed as
-an argument of a call to a node, it makes that node pull the shards it names.
+plain msgpack-able dict (a `WireStruct`), a few hundred bytes per shard whatever the sequence
+length. Passed as an argument of a call to a node, it makes that node pull the shards it names.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
 
-from arl.protocol.errors import ErrorKind
+from arl.protocol.wire import WireStruct, WireStructError
 
 WIRE_TAG = "__rtensor__"
 LAYOUTS = ("concat",)  # "concat": the batch is the shards' rows, dim 0, in ref order
 
 
-class RTensorError(ValueError):
+class RTensorError(WireStructError):
     """A malformed RTensor or shard ref (e.g. from the wire)."""
-
-    error_kind = ErrorKind.MALFORMED
 
 
 @attrs.frozen
-class ShardRef:
+class ShardRef(WireStruct):
     """Where one shard lives and what it holds (never its bytes)."""
+
+    wire_error = RTensorError
 
     node: str
     key: str
@@ -43,45 +43,22 @@ class ShardRef:
         d = meta.to_wire() if hasattr(meta, "to_wire") else meta
         return cls(node, d["key"], d["nbytes"], d["n_tokens"], d["shapes"], d["dtypes"], group_size)
 
-    def to_wire(self) -> dict:
-        """Plain msgpack-able dict."""
-        return {
-            "node": self.node,
-            "key": self.key,
-            "nbytes": self.nbytes,
-            "n_tokens": self.n_tokens,
-            "shapes": self.shapes,
-            "dtypes": self.dtypes,
-            "group_size": self.group_size,
-        }
-
-    @classmethod
-    def from_wire(cls, d: Any) -> ShardRef:
-        """Inverse of ``to_wire``; raises RTensorError naming what is wrong."""
-        if not isinstance(d, Mapping):
-            raise RTensorError(f"a shard ref must be a map, got {type(d).__name__}")
-        try:
-            ref = cls(
-                str(d["node"]),
-                str(d["key"]),
-                int(d["nbytes"]),
-                int(d["n_tokens"]),
-                {str(k): [int(x) for x in v] for k, v in d["shapes"].items()},
-                {str(k): str(v) for k, v in d["dtypes"].items()},
-                int(d.get("group_size", 1)),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise RTensorError(f"malformed shard ref {d!r}: {type(e).__name__}: {e}") from None
-        if ref.nbytes < 0 or ref.n_tokens < 0 or ref.group_size < 1:
+    def __attrs_post_init__(self) -> None:
+        if self.nbytes < 0 or self.n_tokens < 0 or self.group_size < 1:
             raise RTensorError(
-                f"shard ref {ref.key!r}: nbytes and n_tokens must be >= 0 and group_size >= 1"
+                f"shard ref {self.key!r}: nbytes and n_tokens must be >= 0 and group_size >= 1"
             )
-        return ref
 
 
 @attrs.frozen
-class RTensor:
-    """A batch as shard refs in batch order, its layout, and each owner's data-plane address."""
+class RTensor(WireStruct):
+    """A batch as shard refs in batch order, its layout, and each owner's data-plane address.
+
+    Its wire map is tagged ``{"__rtensor__": 1}`` so a node recognises it among call arguments.
+    """
+
+    wire_error = RTensorError
+    wire_tag = (WIRE_TAG, 1)
 
     refs: tuple[ShardRef, ...] = attrs.field(converter=tuple)
     layout: str = "concat"
@@ -124,30 +101,6 @@ class RTensor:
         for r in self.refs:
             out.setdefault(r.node, []).append(r.key)
         return out
-
-    def to_wire(self) -> dict:
-        """Plain msgpack-able dict, tagged so a node recognises it among call arguments."""
-        return {
-            WIRE_TAG: 1,
-            "refs": [r.to_wire() for r in self.refs],
-            "layout": self.layout,
-            "peers": dict(self.peers),
-        }
-
-    @classmethod
-    def from_wire(cls, d: Any) -> RTensor:
-        """Inverse of ``to_wire``; raises RTensorError on a malformed value."""
-        if not is_wire_rtensor(d):
-            raise RTensorError(f"not an RTensor wire value (needs the {WIRE_TAG!r} tag)")
-        refs = d.get("refs")
-        peers = d.get("peers", {})
-        if not isinstance(refs, Sequence) or not isinstance(peers, Mapping):
-            raise RTensorError("RTensor wire value needs a list 'refs' and a map 'peers'")
-        return cls(
-            [ShardRef.from_wire(r) for r in refs],
-            str(d.get("layout", "concat")),
-            {str(k): str(v) for k, v in peers.items()},
-        )
 
 
 def is_wire_rtensor(obj: Any) -> bool:

@@ -2,10 +2,10 @@
 CUDA IPC handles as plain values (DESIGN §6).
 
 A *bucket* is a run of consecutive named tensors packed into one contiguous ``uint8`` buffer,
-each at an aligned byte offset. Its `BucketLayout` (names, shapes, dtypes, offsets) is plain
-msgpack-able metadata: the sender fills the buffer with `flatten_bucket`, the buffer crosses
-(an NCCL/gloo broadcast, or a CUDA IPC mapping), and the receiver takes zero-copy views of it
-with `unflatten_bucket` and copies them into its engine. The broadcast keeps two buffers, so the
+each at an aligned byte offset. Its `BucketLayout` (a `TensorSlot` per tensor) is a wire
+struct: the sender fills the buffer with `flatten_bucket`, the buffer crosses (an NCCL/gloo
+broadcast, or a CUDA IPC mapping), and the receiver takes zero-copy views of it with
+`unflatten_bucket` and copies them into its engine. The broadcast keeps two buffers, so the
 sender packs bucket i + 1 and each receiver copies bucket i while bucket i + 1 is on the wire.
 """
 
@@ -19,6 +19,8 @@ from typing import Any, Literal
 import attrs
 import torch
 
+from arl.protocol.shards import TensorSlot
+from arl.protocol.wire import WireStruct
 from arl.wire.codec import dtype_name, parse_dtype
 from arl.wire.rendezvous import tcp_store
 
@@ -37,57 +39,23 @@ def _align(n: int) -> int:
 
 
 @attrs.frozen
-class TensorSlot:
-    """Where one named tensor lives inside a bucket buffer."""
+class BucketLayout(WireStruct):
+    """The tensors of one bucket, in order, and the buffer size they need.
 
-    name: str
-    shape: tuple[int, ...]
-    dtype: str  # wire dtype name, e.g. "bfloat16"
-    offset: int  # bytes from the start of the buffer (a multiple of ALIGN)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the tensor's data."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * parse_dtype(self.dtype).itemsize
-
-
-@attrs.frozen
-class BucketLayout:
-    """The tensors of one bucket, in order, and the buffer size they need."""
+    A wire struct: the receiver needs nothing else to unpack the buffer, and decoding checks
+    that every slot fits in ``nbytes``.
+    """
 
     slots: tuple[TensorSlot, ...]
     nbytes: int
 
-    def to_wire(self) -> dict:
-        """Plain values only (msgpack): the receiver needs nothing else to unpack the buffer."""
-        return {
-            "names": [s.name for s in self.slots],
-            "shapes": [list(s.shape) for s in self.slots],
-            "dtypes": [s.dtype for s in self.slots],
-            "offsets": [s.offset for s in self.slots],
-            "nbytes": self.nbytes,
-        }
-
-    @classmethod
-    def from_wire(cls, d: dict) -> BucketLayout:
-        """The inverse of `to_wire`; checks that the slots fit in ``nbytes``."""
-        slots = tuple(
-            TensorSlot(name, tuple(int(x) for x in shape), dtype, int(off))
-            for name, shape, dtype, off in zip(
-                d["names"], d["shapes"], d["dtypes"], d["offsets"], strict=True
-            )
-        )
-        layout = cls(slots, int(d["nbytes"]))
-        for s in slots:
-            if s.offset < 0 or s.offset + s.nbytes > layout.nbytes:
+    def __attrs_post_init__(self) -> None:
+        for s in self.slots:
+            if s.offset < 0 or s.offset + s.nbytes > self.nbytes:
                 raise WeightTransferError(
                     f"bucket slot {s.name!r} at offset {s.offset} ({s.nbytes} bytes) does not fit "
-                    f"in a {layout.nbytes}-byte bucket: sender and receiver disagree on the layout"
+                    f"in a {self.nbytes}-byte bucket: sender and receiver disagree on the layout"
                 )
-        return layout
 
 
 def plan_buckets(
@@ -104,7 +72,7 @@ def plan_buckets(
     slots: list[TensorSlot] = []
     used = 0
     for name, shape, dtype in specs:
-        slot = TensorSlot(name, tuple(int(d) for d in shape), dtype_name(dtype), 0)
+        slot = TensorSlot.of(name, dtype_name(dtype), tuple(int(d) for d in shape))
         if slots and used + slot.nbytes > bucket_bytes:
             layouts.append(BucketLayout(tuple(slots), used))
             slots, used = [], 0

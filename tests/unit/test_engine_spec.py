@@ -111,11 +111,11 @@ def test_wire_form_round_trips_and_names_a_bad_field():
     (spec,) = _specs(["rollout.backend=sglang:d1t2", "rollout.server_args=[--x]"], n_gpus=2)
     assert EngineSpec.from_wire(spec.to_wire()) == spec
     wire = spec.to_wire()
-    with pytest.raises(ValueError, match="'tp_size' has type str"):
+    with pytest.raises(ValueError, match="EngineSpec: 'tp_size' must be an integer, got '2'"):
         EngineSpec.from_wire({**wire, "tp_size": "2"})
-    with pytest.raises(ValueError, match="'device' is missing"):
+    with pytest.raises(ValueError, match="EngineSpec: 'device' must be text, it is missing"):
         EngineSpec.from_wire({k: v for k, v in wire.items() if k != "device"})
-    with pytest.raises(ValueError, match="unknown field"):
+    with pytest.raises(ValueError, match=r"EngineSpec: has unknown field\(s\) \['engine'\]"):
         EngineSpec.from_wire({**wire, "engine": "x"})
     with pytest.raises(ConfigError, match="not a registered engine"):
         EngineSpec.from_wire({**wire, "name": "os:system"})

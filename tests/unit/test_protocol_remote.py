@@ -81,12 +81,12 @@ def test_calls_send_method_names_and_decode_the_replies() -> None:
 @pytest.mark.parametrize(
     ("method", "reply", "why"),
     [
-        ("load_batch", None, "load_batch must answer a map, got NoneType"),
-        ("load_batch", {"n_seqs": 1}, "'n_tokens' must be an integer >= 0, got None"),
-        ("load_batch", {"n_seqs": -1, "n_tokens": 1}, "'n_seqs' must be an integer >= 0"),
+        ("load_batch", None, "LoadedBatch: expected a map, got None"),
+        ("load_batch", {"n_seqs": 1}, "LoadedBatch: 'n_tokens' must be an integer, it is missing"),
+        ("load_batch", {"n_seqs": -1, "n_tokens": 1}, "LoadedBatch: 'n_seqs' must be >= 0: -1"),
         ("ppo_update", {}, "ppo_update must answer a non-empty map"),
-        ("ppo_update", {"loss": "high"}, "statistic 'loss' must be a number, got 'high'"),
-        ("ppo_update", {"loss": True}, "statistic 'loss' must be a number"),
+        ("ppo_update", {"loss": "high"}, "StepStats: 'loss' must be a number, got 'high'"),
+        ("ppo_update", {"loss": True}, "StepStats: 'loss' must be a number, got True"),
     ],
 )
 def test_malformed_rank_replies_are_refused_naming_the_entry(method, reply, why) -> None:
