@@ -3,6 +3,6 @@
 rtensor (shard refs, batches), report (group reports, trajectories), errors (the remote error
 table), remote (typed worker interfaces), imports (the import rule), stall (stall reports),
 plan (the placement plan: node specs and the resolved weight-sync mode), handles (the started
-cluster as the plug-ins below control/ use it), shards (shard metadata, tensor slots), wire (the
-one strict converter every wire struct uses).
+cluster as the plug-ins below control/ use it), shards (shard metadata, tensor slots), dtypes
+(the wire dtypes), wire (the one strict converter every wire struct uses).
 """

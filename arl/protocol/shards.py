@@ -17,8 +17,8 @@ from typing import Any
 
 import attrs
 
+from arl.protocol.dtypes import dtype_of
 from arl.protocol.wire import WireStruct
-from arl.wire.codec import parse_dtype
 
 
 def _non_negative(inst: Any, a: attrs.Attribute, value: int) -> None:
@@ -51,7 +51,7 @@ class TensorSlot(WireStruct):
     nbytes: int
 
     def __attrs_post_init__(self) -> None:
-        itemsize = parse_dtype(self.dtype).itemsize  # a ValueError for an unknown dtype
+        itemsize = dtype_of(self.dtype).itemsize  # a ValueError for an unknown dtype
         if any(d < 0 for d in self.shape):
             raise ValueError(f"tensor {self.name!r} has a bad shape {list(self.shape)}")
         if self.nbytes != math.prod(self.shape) * itemsize:
@@ -63,4 +63,4 @@ class TensorSlot(WireStruct):
     @classmethod
     def of(cls, name: str, dtype: str, shape: tuple[int, ...], offset: int = 0) -> TensorSlot:
         """The slot of a ``dtype`` tensor of ``shape`` at ``offset`` (its byte count computed)."""
-        return cls(name, dtype, shape, offset, math.prod(shape) * parse_dtype(dtype).itemsize)
+        return cls(name, dtype, shape, offset, math.prod(shape) * dtype_of(dtype).itemsize)

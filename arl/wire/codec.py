@@ -18,6 +18,7 @@ import attrs
 import msgpack
 import torch
 
+from arl.protocol.dtypes import DTYPES as _DTYPES
 from arl.protocol.errors import ErrorKind
 
 PROTOCOL_VERSION = 1
@@ -26,25 +27,6 @@ OPS = frozenset({"call", "ok", "err", "event", "hello", "hb", "bye"})
 _EXT_FRAME = 1  # tensor whose bytes are a separate frame
 _EXT_INLINE = 2  # small tensor whose bytes sit in the header
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "uint16": torch.uint16,
-    "uint32": torch.uint32,
-    "uint64": torch.uint64,
-    "bool": torch.bool,
-    "complex64": torch.complex64,
-    "complex128": torch.complex128,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 # A declared shape above this many elements is refused before anything is allocated.
 MAX_ELEMENTS = 1 << 40
