@@ -31,7 +31,7 @@ from arl.engines.spec import engine_options, engine_spec
 from arl.protocol.errors import RemoteError
 from arl.protocol.imports import resolve_import
 from arl.protocol.proxy import MalformedReply
-from arl.protocol.remote import RolloutWorkerAPI
+from arl.protocol.remote import RolloutWorkerAPI, rollout_worker
 from arl.protocol.rtensor import ShardRef
 from arl.weights import SyncContext, WeightSync, make_weight_sync
 from arl.weights.base import rendezvous_host
@@ -66,7 +66,7 @@ async def start_rollout_workers(cfg: Config, cluster: Cluster, model_path: str) 
             group_timeout=cfg.rollout.group_timeout,
             **agent,
         )
-        await w.setup()
+        await rollout_worker(w).setup()
         return w
 
     return list(await asyncio.gather(*(one(p) for p in cluster.rollout)))

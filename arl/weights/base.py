@@ -32,12 +32,14 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import attrs
 
 from arl.config import ConfigError, WeightSyncConfig
 from arl.engines.base import WeightTarget
+from arl.protocol.proxy import proxy
+from arl.protocol.remote import RolloutWorkerAPI, TrainWorkerAPI
 from arl.wire.addresses import is_loopback
 
 if TYPE_CHECKING:
@@ -48,6 +50,8 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger("arl.weights")
+
+N = TypeVar("N", bound="NodePart")
 
 
 class WeightSyncError(RuntimeError):
@@ -139,14 +143,16 @@ class WeightSync:
                     log.warning("closing a weight-sync part failed: %s", e)
 
     # ---- helpers ----------------------------------------------------------------------------
-    async def place(self, target: str, nodes: Sequence[PlacedNode], **kwargs: Any) -> list:
-        """Create the node half ``target`` ("arl.weights.mode:Class") on each of ``nodes`` as
-        ``weights``; they are destroyed by `close`."""
+    async def place(self, part: type[N], nodes: Sequence[PlacedNode], **kwargs: Any) -> list[N]:
+        """Create the node half ``part`` (a `NodePart` class of the mode's module) on each of
+        ``nodes`` as ``weights``; returns them typed by that class (`arl.protocol.proxy`: its
+        public methods, called on the node); they are destroyed by `close`."""
+        target = f"{part.__module__}:{part.__qualname__}"
         made = await asyncio.gather(
             *(p.handle.create(target, name="weights", **kwargs) for p in nodes)
         )
         self._placed.append(list(made))
-        return list(made)
+        return [proxy(part, r) for r in made]
 
 
 class NodePart:
@@ -181,7 +187,7 @@ def engine_device(host: Any, mode: str) -> Any:
 
 async def match_engine_dtype(train: list[RemoteObject], workers: list[RemoteObject]) -> None:
     """Tell the train ranks the engines' weight dtype (from their health), if they report one."""
-    healths = await asyncio.gather(*(w.health() for w in workers))
+    healths = await asyncio.gather(*(proxy(RolloutWorkerAPI, w).health() for w in workers))
     dtypes = sorted({h["dtype"] for h in healths if h.get("dtype")})
     if len(dtypes) > 1:
         raise WeightSyncError(
@@ -189,7 +195,7 @@ async def match_engine_dtype(train: list[RemoteObject], workers: list[RemoteObje
             "serves them all, so give every engine the same rollout.dtype"
         )
     if dtypes:
-        await asyncio.gather(*(w.set_sync_dtype(dtypes[0]) for w in train))
+        await asyncio.gather(*(proxy(TrainWorkerAPI, w).set_sync_dtype(dtypes[0]) for w in train))
 
 
 def rendezvous_host(cluster: Cluster) -> str:

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from arl.engines.base import WeightTarget
+from arl.protocol.proxy import proxy
+from arl.protocol.remote import TrainWorkerAPI
 from arl.weights.base import NodePart, WeightSync, require_weight_target
 
 if TYPE_CHECKING:
@@ -37,14 +39,12 @@ class DiskSync(WeightSync):
         """Agree on the dtype; place the receivers."""
         await super().setup()
         self.directory = self.ctx.run_path / "weights"
-        self.receivers = await self.place(
-            "arl.weights.disk:DiskReceiver", self.ctx.cluster.rollout, host="rollout"
-        )
+        self.receivers = await self.place(DiskReceiver, self.ctx.cluster.rollout, host="rollout")
 
     async def stage(self, version: int) -> None:
         """Every train rank takes part in writing the folder of ``version``."""
         path = str(self.directory / f"v{version}")
-        await asyncio.gather(*(w.save_hf(path) for w in self.ctx.train))
+        await asyncio.gather(*(proxy(TrainWorkerAPI, w).save_hf(path) for w in self.ctx.train))
 
     async def transfer(self, version: int) -> None:
         """Every engine reloads the folder."""

@@ -50,10 +50,8 @@ class IpcSync(WeightSync):
         """Agree on the dtype, place the halves, plan the buckets."""
         await super().setup()
         cluster = self.ctx.cluster
-        self.senders = await self.place("arl.weights.ipc:IpcSender", cluster.train, host="train")
-        self.receivers = await self.place(
-            "arl.weights.ipc:IpcReceiver", cluster.rollout, host="rollout"
-        )
+        self.senders = await self.place(IpcSender, cluster.train, host="train")
+        self.receivers = await self.place(IpcReceiver, cluster.rollout, host="rollout")
         self.layouts = await self.senders[0].plan(self.ctx.config.bucket_bytes)
 
     async def transfer(self, version: int) -> dict:

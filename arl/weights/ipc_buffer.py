@@ -77,12 +77,8 @@ class IpcBufferSync(WeightSync):
         """Agree on the dtype, allocate and share the buffer, let every engine map it."""
         await super().setup()
         cluster = self.ctx.cluster
-        self.senders = await self.place(
-            "arl.weights.ipc_buffer:BufferSender", cluster.train, host="train"
-        )
-        self.receivers = await self.place(
-            "arl.weights.ipc_buffer:BufferReceiver", cluster.rollout, host="rollout"
-        )
+        self.senders = await self.place(BufferSender, cluster.train, host="train")
+        self.receivers = await self.place(BufferReceiver, cluster.rollout, host="rollout")
         shared = await self.senders[0].open()
         self.nbytes = int(shared["layout"]["nbytes"])
         await asyncio.gather(*(r.open(shared) for r in self.receivers))

@@ -66,10 +66,8 @@ class NcclSync(WeightSync):
         await super().setup()
         cluster = self.ctx.cluster
         backend = "nccl" if cluster.train[0].spec.gpu_ids else "gloo"
-        self.senders = await self.place("arl.weights.nccl:NcclSender", cluster.train, host="train")
-        self.receivers = await self.place(
-            "arl.weights.nccl:NcclReceiver", cluster.rollout, host="rollout"
-        )
+        self.senders = await self.place(NcclSender, cluster.train, host="train")
+        self.receivers = await self.place(NcclReceiver, cluster.rollout, host="rollout")
         self.layouts = await self.senders[0].plan(self.ctx.config.bucket_bytes)
         host = rendezvous_host(cluster)
         port = await cluster.train[0].handle.call("free_port", {"host": host})

@@ -34,12 +34,8 @@ class ZmqSync(WeightSync):
     async def setup(self) -> None:
         """Agree on the dtype; place the senders (every train rank) and receivers."""
         await super().setup()
-        self.senders = await self.place(
-            "arl.weights.zmq:ZmqSender", self.ctx.cluster.train, host="train"
-        )
-        self.receivers = await self.place(
-            "arl.weights.zmq:ZmqReceiver", self.ctx.cluster.rollout, host="rollout"
-        )
+        self.senders = await self.place(ZmqSender, self.ctx.cluster.train, host="train")
+        self.receivers = await self.place(ZmqReceiver, self.ctx.cluster.rollout, host="rollout")
         self.buckets: RTensor | None = None
 
     async def stage(self, version: int) -> dict:
