@@ -97,12 +97,21 @@ class NodeHandle:
         """Run a node-level method (ping, create, call, destroy) and return its result."""
         return await self.ctl.call(self.node_id, op, args or {}, timeout=timeout)
 
-    async def create(self, target: str, *args: Any, name: str = "", **kwargs: Any) -> RemoteObject:
-        """Build ``target`` ("pkg.module:Class") on the node; returns a handle to the object."""
+    async def create(
+        self,
+        target: str,
+        *args: Any,
+        name: str = "",
+        hosted: dict[str, str] | None = None,
+        **kwargs: Any,
+    ) -> RemoteObject:
+        """Build ``target`` ("pkg.module:Class") on the node; returns a handle to the object.
+        ``hosted`` ({keyword: object name}) hands it objects the node already hosts."""
         name = name or f"{target.rpartition(':')[2]}-{next(self._names)}"
-        await self.call(
-            "create", {"name": name, "target": target, "args": list(args), "kwargs": kwargs}
-        )
+        call = {"name": name, "target": target, "args": list(args), "kwargs": kwargs}
+        if hosted:
+            call["hosted"] = dict(hosted)
+        await self.call("create", call)
         return RemoteObject(self, name)
 
 

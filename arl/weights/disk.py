@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from arl.engines.base import WeightTarget
 from arl.protocol.proxy import proxy
 from arl.protocol.remote import TrainWorkerAPI
-from arl.weights.base import NodePart, WeightSync, require_weight_target
+from arl.weights.base import ReceiverPart, WeightSync, require_weight_target
 
 if TYPE_CHECKING:
     from arl.control.placement import NodeSpec
@@ -56,7 +56,7 @@ class DiskSync(WeightSync):
         shutil.rmtree(self.directory / f"v{version}", ignore_errors=True)
 
 
-class DiskReceiver(NodePart):
+class DiskReceiver(ReceiverPart):
     """Rollout node half: the engine's own reload from a folder."""
 
     async def load(self, path: str) -> None:
