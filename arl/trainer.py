@@ -48,7 +48,8 @@ from arl.control.workers import (
 )
 from arl.data.loader import load_data
 from arl.protocol.errors import ErrorKind, RemoteError
-from arl.protocol.remote import TrainRanks
+from arl.protocol.proxy import per_rank
+from arl.protocol.remote import TrainRanks, train_ranks
 from arl.protocol.rtensor import RTensor
 from arl.stats.logger import StatsLogger
 from arl.stats.progress import ProgressBar, rollout_metrics, say_if_slow, summary, trace_step
@@ -250,7 +251,7 @@ class PPOTrainer:
         cfg = self.cfg
         t0 = time.monotonic()
         parts, _ = dispatch(batch, len(self.train_workers))
-        loaded = await self.ranks.load_batch(parts)
+        loaded = await self.ranks.load_batch(per_rank(parts))
         t1 = time.monotonic()
         if cfg.actor.use_decoupled_loss and not cfg.actor.prox_in_update():
             await self.ranks.compute_logp()
@@ -258,10 +259,10 @@ class PPOTrainer:
             await self.ranks.compute_ref_logp()
         t2 = time.monotonic()
         await self.ranks.compute_advantages()
-        per_rank = await self.ranks.ppo_update()
+        rank_stats = await self.ranks.ppo_update()
         await self.ranks.end_step()
-        n = len(per_rank)
-        out = {f"train/{k}": sum(r[k] for r in per_rank) / n for k in per_rank[0].values}
+        n = len(rank_stats)
+        out = {f"train/{k}": sum(r[k] for r in rank_stats) / n for k in rank_stats[0].values}
         out["batch/n_tokens"] = sum(r.n_tokens for r in loaded)
         out["batch/n_seqs"] = sum(r.n_seqs for r in loaded)
         # The phases of train_s: pulling and concatenating the shards, the log-prob passes
@@ -282,7 +283,7 @@ class PPOTrainer:
     @property
     def ranks(self) -> TrainRanks:
         """Every train rank at once, through the typed `TrainWorkerAPI` calls."""
-        return TrainRanks(self._all, len(self.train_workers))
+        return train_ranks(self._all, len(self.train_workers))
 
     async def _all(self, method: str, args: list[list] | None = None) -> list:
         """`call_all` of ``method`` on the train ranks, within ``actor.call_timeout``."""

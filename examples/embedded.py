@@ -6,6 +6,8 @@ from arl.control.controller import Controller
 from arl.control.launcher import LocalNodes
 from arl.data.arith import make_arith
 from arl.engines.model import resolve_model
+from arl.protocol.proxy import proxy
+from arl.protocol.remote import RolloutWorkerAPI
 from arl.protocol.report import report_from_wire
 from arl.wire.sockets import Security, new_secret
 
@@ -15,13 +17,14 @@ async def main() -> None:
     security = Security(new_secret())  # nodes get this secret from the environment
     async with Controller(security) as ctl, LocalNodes(ctl.address, security, [{}]):
         (node,) = await ctl.wait_for_nodes(1)
-        worker = await node.create(
+        remote = await node.create(
             "arl.node.rollout:RolloutWorker",
             model_path=model,
             n_samples=4,
             reward="arl.rewards.arith:arith_reward",
             sampling={"max_new_tokens": 32},
         )
+        worker = proxy(RolloutWorkerAPI, remote)  # typed: RolloutWorkerAPI's methods only
         await worker.setup()  # loads the hf engine inside the node process
         row = make_arith(1, seed=0, split="test")[0]
         info = report_from_wire(await worker.run_group("group0", row))  # tensors stay there

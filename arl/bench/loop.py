@@ -103,25 +103,23 @@ async def run_loop(cfg: Config, profile_step: int, profile_dir: Path) -> dict:
             await trainer.setup()
             startup = time.monotonic() - t0
             if profile_step:
-                await asyncio.gather(
-                    *(w.arm_profile(profile_step, str(profile_dir)) for w in trainer.train_workers)
-                )
-            sampler = asyncio.ensure_future(_sample_engines(trainer.rollout_workers, samples))
+                await trainer.ranks.arm_profile(profile_step, str(profile_dir))
+            sampler = asyncio.ensure_future(_sample_engines(trainer.rollout.workers, samples))
             try:
                 await trainer.train()
             finally:
                 sampler.cancel()
                 await asyncio.gather(sampler, return_exceptions=True)
             samples.append((time.time(), await _healths(trainer)))
-            info = await trainer.train_workers[0].info()
-            await asyncio.gather(*(w.write_profile() for w in trainer.train_workers))
+            info = (await trainer.ranks.info())[0]
+            await trainer.ranks.write_profile()
         finally:
             await trainer.close()
     return {"startup_s": startup, "samples": samples, "train_info": info}
 
 
 async def _healths(trainer: Any) -> list[dict]:
-    return list(await asyncio.gather(*(w.health() for w in trainer.rollout_workers)))
+    return list(await asyncio.gather(*(w.health() for w in trainer.rollout.workers)))
 
 
 def _model_params(path: str) -> int:

@@ -34,6 +34,7 @@ from arl.config import Config, apply_overrides
 from arl.control.cluster import Cluster, start_cluster
 from arl.control.controller import RemoteObject
 from arl.control.placement import plan_placement
+from arl.protocol.remote import rollout_worker
 from arl.stats.logger import read_jsonl
 from arl.stats.trace import load_trace, overlap_s, spans
 from arl.trainer import PPOTrainer
@@ -200,7 +201,7 @@ class SimTrainer(PPOTrainer):
                 seq_len=s.seq_len,
                 seed=self.cfg.experiment.seed * 1000 + i,
             )
-            await w.setup()
+            await rollout_worker(w).setup()
             return w
 
         def train(p: Any) -> Any:

@@ -20,14 +20,14 @@ import bisect
 import random
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
 from arl.node.rollout import data_id
+from arl.protocol.hosting import NodeContext, UsesNode
 
 
-class SimRolloutWorker:
+class SimRolloutWorker(UsesNode):
     """A rollout node whose engine takes ``gen_time`` seconds per group, whatever the load."""
 
     def __init__(
@@ -39,13 +39,14 @@ class SimRolloutWorker:
         seq_len: int = 16,
         prompt_len: int = 8,
         seed: int = 0,
+        node: NodeContext | None = None,
     ):
         if gen_time <= 0 or not 0 <= jitter < 1:
             raise ValueError(f"gen_time={gen_time} must be > 0 and jitter={jitter} in [0, 1)")
         self.gen_time, self.jitter = gen_time, jitter
         self.n_samples, self.seq_len, self.prompt_len = n_samples, seq_len, prompt_len
         self.rng = random.Random(seed)
-        self.node: Any = None
+        self.node = node
         self.version = 0
         self.groups_done = 0
         self.weight_bytes_loaded = 0
@@ -57,10 +58,6 @@ class SimRolloutWorker:
         self._changes_version: list[int] = [0]
         self._running = asyncio.Event()
         self._running.set()
-
-    def attach_node(self, node: Any) -> None:
-        """Called by the node after construction: gives access to its shard store."""
-        self.node = node
 
     async def setup(self) -> dict:
         """Nothing to load."""
@@ -155,13 +152,8 @@ class SimTrainWorker:
             raise ValueError(f"train_time={train_time} must be >= 0")
         self.rank, self.world_size = rank, world_size
         self.train_time, self.weight_bytes = train_time, weight_bytes
-        self.node: Any = None
         self.batch: list[dict[str, torch.Tensor]] | None = None
         self.steps = 0
-
-    def attach_node(self, node: Any) -> None:
-        """Called by the node after construction: gives access to its shard store."""
-        self.node = node
 
     def warm_up(self) -> float:
         """No first-pass costs to pay: the simulated update only takes time."""

@@ -43,6 +43,7 @@ import zmq.asyncio
 from arl.control.controller import Controller
 from arl.control.launcher import LocalNodes
 from arl.event_loop import loop_name, run_loop
+from arl.protocol.proxy import proxy
 from arl.wire.codec import Message, encode_message
 from arl.wire.sockets import LoopSocket, Security, new_secret
 
@@ -135,7 +136,7 @@ async def measure_arl(
         async with LocalNodes(ctl.address, security, [{"OMP_NUM_THREADS": "1"}]) as nodes:
             (node,) = await ctl.wait_for_nodes(1, timeout=120)
             pids = os.getpid(), nodes.procs[0].pid
-            sink = await node.create("arl.bench.transport:Sink")
+            sink = proxy(Sink, await node.create("arl.bench.transport:Sink"))
             await _time_calls(sink.noop, warmup)
             cpu = _CpuMeter(*pids)
             samples = await _time_calls(sink.noop, calls)

@@ -5,8 +5,9 @@ loop (several per process are fine)::
 
     async with Controller(security) as ctl:
         node, = await ctl.wait_for_nodes(1)
-        engine = await node.create("arl.engines.hf:HFEngine", model_path)
-        out = await engine.agenerate(ids, sampling)
+        remote = await node.create("arl.node.rollout:RolloutWorker", model_path=model_path)
+        worker = proxy(RolloutWorkerAPI, remote)  # arl.protocol.proxy: the API's methods only
+        health = await worker.setup()
 
 Calls carry a request id that the reply echoes, so any number can be in flight per node; a
 reply is accepted only from the node that was called (others are refused, logged and counted in
@@ -96,17 +97,28 @@ class NodeHandle:
         """Run a node-level method (ping, create, call, destroy) and return its result."""
         return await self.ctl.call(self.node_id, op, args or {}, timeout=timeout)
 
-    async def create(self, target: str, *args: Any, name: str = "", **kwargs: Any) -> RemoteObject:
-        """Build ``target`` ("pkg.module:Class") on the node; returns a handle to the object."""
+    async def create(
+        self,
+        target: str,
+        *args: Any,
+        name: str = "",
+        hosted: dict[str, str] | None = None,
+        **kwargs: Any,
+    ) -> RemoteObject:
+        """Build ``target`` ("pkg.module:Class") on the node; returns a handle to the object.
+        ``hosted`` ({keyword: object name}) hands it objects the node already hosts."""
         name = name or f"{target.rpartition(':')[2]}-{next(self._names)}"
-        await self.call(
-            "create", {"name": name, "target": target, "args": list(args), "kwargs": kwargs}
-        )
+        call = {"name": name, "target": target, "args": list(args), "kwargs": kwargs}
+        if hosted:
+            call["hosted"] = dict(hosted)
+        await self.call("create", call)
         return RemoteObject(self, name)
 
 
 class RemoteObject:
-    """An object living on a node; ``await obj.method(...)`` calls it there."""
+    """An object living on a node. Call it through its typed API, ``proxy(API, obj)``
+    (`arl.protocol.proxy`), or, where the method is only known at run time, ``await
+    obj.call("method", ...)``."""
 
     def __init__(self, node: NodeHandle, name: str):
         self.node, self.name = node, name
@@ -119,15 +131,6 @@ class RemoteObject:
         return await self.node.call(
             "call", {"obj": self.name, "method": method, "args": list(args), "kwargs": kwargs}
         )
-
-    def __getattr__(self, method: str) -> Callable[..., Any]:
-        if method.startswith("_"):
-            raise AttributeError(method)
-
-        async def bound(*args: Any, **kwargs: Any) -> Any:
-            return await self.call(method, *args, **kwargs)
-
-        return bound
 
     async def destroy(self) -> bool:
         """Close and drop the object on its node."""

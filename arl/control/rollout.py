@@ -31,7 +31,7 @@ from arl.control.controller import BadReply, NodeLost, RemoteObject
 from arl.control.staleness import StalenessSemaphore, is_stale
 from arl.data.loader import StatefulLoader
 from arl.protocol.errors import ErrorKind, RemoteError
-from arl.protocol.remote import RolloutWorkerClient
+from arl.protocol.remote import RolloutWorkerAPI, rollout_worker
 from arl.protocol.report import GroupReport, RejectedGroup, ReportError, report_from_wire
 from arl.protocol.rtensor import RTensor, ShardRef
 from arl.stats.trace import Tracer
@@ -93,7 +93,7 @@ class RolloutController:
         if order not in BATCH_ORDERS:
             raise ValueError(f"order={order!r}: a batch is taken in one of {BATCH_ORDERS}")
         self.order = order
-        self.workers = [RolloutWorkerClient(w) for w in workers]
+        self.workers = [rollout_worker(w) for w in workers]
         self.loader, self.sem = loader, semaphore
         self.peers, self.free = peers, free
         self.stale_policy, self.accept = stale_policy, accept
@@ -193,7 +193,7 @@ class RolloutController:
             raise RolloutFailed(str(self._error)) from self._error
 
     # ---- submission -------------------------------------------------------------------------
-    def _least_loaded(self) -> RolloutWorkerClient:
+    def _least_loaded(self) -> RolloutWorkerAPI:
         return min(self.workers, key=lambda w: self._inflight[id(w)])
 
     async def _submit_loop(self) -> None:
@@ -223,7 +223,7 @@ class RolloutController:
             task.add_done_callback(self._tasks.discard)
 
     async def _run_one(
-        self, worker: RolloutWorkerClient, index: int, key: str, row: dict, version: int
+        self, worker: RolloutWorkerAPI, index: int, key: str, row: dict, version: int
     ) -> None:
         accepted = False
         result: Finished | None = None
@@ -448,7 +448,7 @@ class RolloutController:
         self._asleep.difference_update(waking)
         return [self.workers[i].wake() for i in waking]
 
-    def _free_workers(self) -> list[RolloutWorkerClient]:
+    def _free_workers(self) -> list[RolloutWorkerAPI]:
         return [w for i, w in enumerate(self.workers) if i not in self._held]
 
     @asynccontextmanager

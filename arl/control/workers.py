@@ -30,7 +30,8 @@ from arl.data.loader import StatefulLoader
 from arl.engines.spec import engine_options, engine_spec
 from arl.protocol.errors import RemoteError
 from arl.protocol.imports import resolve_import
-from arl.protocol.remote import RolloutWorkerAPI
+from arl.protocol.proxy import MalformedReply
+from arl.protocol.remote import RolloutWorkerAPI, rollout_worker
 from arl.protocol.rtensor import ShardRef
 from arl.weights import SyncContext, WeightSync, make_weight_sync
 from arl.weights.base import rendezvous_host
@@ -65,7 +66,7 @@ async def start_rollout_workers(cfg: Config, cluster: Cluster, model_path: str) 
             group_timeout=cfg.rollout.group_timeout,
             **agent,
         )
-        await w.setup()
+        await rollout_worker(w).setup()
         return w
 
     return list(await asyncio.gather(*(one(p) for p in cluster.rollout)))
@@ -250,13 +251,16 @@ async def evaluate(workers: list[RolloutWorkerAPI], rows: list[dict], ev: Evalua
     """Mean reward (accuracy for 0/1 rewards) on the held-out ``rows``, split over ``workers``."""
     n = len(workers)
     chunks = [rows[i::n] for i in range(n)]
+    pairs = [(w, chunk) for w, chunk in zip(workers, chunks, strict=True) if chunk]
     scores = await asyncio.gather(
-        *(
-            w.evaluate(chunk, ev.n_samples, ev.temperature)
-            for w, chunk in zip(workers, chunks, strict=True)
-            if chunk
-        )
+        *(w.evaluate(chunk, ev.n_samples, ev.temperature) for w, chunk in pairs)
     )
+    for (w, chunk), got in zip(pairs, scores, strict=True):
+        if len(got) != len(chunk):
+            raise MalformedReply(
+                f"node {w.node.node_id} answered evaluate with {len(got)} scores for "
+                f"{len(chunk)} rows; it must answer one per row"
+            )
     flat = [s for part in scores for s in part]
     return {"eval/accuracy": sum(flat) / max(1, len(flat)), "eval/n": len(flat)}
 

@@ -5,8 +5,10 @@ the run's `NodeConfig` (heartbeats, import prefixes, message cap, data plane), w
 the flags' values before the shard store and data plane start and any call is served, so a node
 a job script started with default flags honours the run's settings. Then it serves calls:
 
-- ``create``  {name, target: "pkg.module:Attr", args, kwargs} builds an object by import path
-  (only under the allowed module prefixes, checked before anything is imported);
+- ``create``  {name, target: "pkg.module:Attr", args, kwargs, hosted} builds an object by import
+  path (only under the allowed module prefixes, checked before anything is imported); ``hosted``
+  ({keyword: object name}) hands it objects this node already hosts, and a class that subclasses
+  `arl.protocol.hosting.UsesNode` gets the node (a `NodeContext`) as its ``node`` keyword;
 - ``call``    {obj, method, args, kwargs} runs a method of such an object: coroutine methods on
   the node's event loop, blocking ones on the node's single engine thread (so torch and NCCL
   calls keep one order);
@@ -37,12 +39,13 @@ import socket
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from arl.event_loop import run_loop
 from arl.protocol.errors import error_payload
+from arl.protocol.hosting import UsesNode
 from arl.protocol.imports import ImportRefused as ImportRefused  # re-exported for callers
 from arl.protocol.imports import resolve_import
 from arl.protocol.node_config import NodeConfig, NodeConfigError
@@ -58,6 +61,10 @@ from arl.wire.codec import (
 )
 from arl.wire.sockets import Authenticator, Security, bind_tcp, host_id, make_socket, new_context
 
+if TYPE_CHECKING:
+    from arl.node.data_plane import NodeDataPlane
+    from arl.node.shard_store import ShardStore
+
 log = logging.getLogger("arl.node")
 
 DEFAULT_PREFIXES = ("arl.",)
@@ -67,7 +74,8 @@ _TICK_S = 0.1
 
 
 class NodeDaemon:
-    """One node process: serves the controller's calls until told or forced to stop."""
+    """One node process: serves the controller's calls until told or forced to stop. It is
+    the `NodeContext` of the objects it hosts."""
 
     def __init__(
         self,
@@ -89,9 +97,10 @@ class NodeDaemon:
         self._stop = asyncio.Event()
         self._last_heard = time.monotonic()
         self.exit_reason = ""
-        self.services: list[Any] = []  # objects with async close(), ended with the node
         self.run_id = os.environ.get("ARL_RUN_ID", "arl")
-        self.store: Any = None  # the ShardStore, set by the store service
+        # Started once the hello reply's config is applied (`_configure`), ended with the node.
+        self.data_plane: NodeDataPlane | None = None
+        self.store: ShardStore | None = None  # the data plane's: this node's shards
         self.configured = False  # the hello reply came and its node config is applied
         self._tick = time.monotonic()
         self._watch_stop = threading.Event()
@@ -127,9 +136,8 @@ class NodeDaemon:
     def stats(self) -> dict:
         """Gauges sent with every heartbeat (extended by the shard store)."""
         out: dict[str, Any] = {"n_objects": len(self.objects)}
-        for svc in self.services:
-            if hasattr(svc, "stats"):
-                out.update(svc.stats())
+        if self.data_plane is not None:
+            out.update(self.data_plane.stats())
         return out
 
     # ---- main loop --------------------------------------------------------------------------
@@ -184,7 +192,7 @@ class NodeDaemon:
     async def _configure(self, reply: Any) -> None:
         """Apply the run's node config from the controller's hello reply (none: keep the
         flags'), then start the shard store and data plane, which are built from it."""
-        from arl.node.services import start_services
+        from arl.node.data_plane import NodeDataPlane  # local: torch, after the hello went out
 
         self.configured = True
         if isinstance(reply, dict) and "node_config" in reply:
@@ -195,8 +203,21 @@ class NodeDaemon:
                 self.stop(f"bad node config from the controller: {e}")
                 return
             log.info("node %s: the run's settings: %s", self.node_id, self.config)
+        cfg = self.config
         try:
-            self.services = await start_services(self)
+            # It serves the store on the node's bound data ROUTER and pulls the shards named by
+            # RTensor arguments of incoming calls (`_materialize`).
+            self.data_plane = NodeDataPlane.start(
+                run_id=self.run_id,
+                node_id=self.node_id,
+                ctx=self.ctx,
+                security=self.security,
+                socket=self.data_sock,
+                shared_memory=cfg.shared_memory,
+                chunk_bytes=cfg.pull_chunk_bytes,
+                max_message_bytes=cfg.max_message_bytes,
+            )
+            self.store = self.data_plane.store
         except Exception as e:  # in the receive loop: raised, it would leave the node deaf
             log.exception("node %s: the shard store and data plane did not start", self.node_id)
             self.stop(f"the shard store and data plane did not start: {e}")
@@ -214,11 +235,11 @@ class NodeDaemon:
         for name, obj in list(self.objects.items()):
             await self._close_object(name, obj)
         self.objects.clear()
-        for svc in self.services:
+        if self.data_plane is not None:
             try:
-                await svc.close()
+                await self.data_plane.close()
             except Exception:
-                log.exception("closing %s failed", svc)
+                log.exception("closing the data plane failed")
         try:
             await asyncio.wait_for(self._send(Message("bye", 0, "bye", self.exit_reason)), 1.0)
         except Exception:
@@ -379,7 +400,7 @@ class NodeDaemon:
             return {**self.info(), **self.stats()}
         if method == "create":
             return await self._create(
-                a["name"], a["target"], a.get("args", []), a.get("kwargs", {})
+                a["name"], a["target"], a.get("args", []), a.get("kwargs", {}), a.get("hosted")
             )
         if method == "call":
             return await self._call(a["obj"], a["method"], a.get("args", []), a.get("kwargs", {}))
@@ -397,9 +418,12 @@ class NodeDaemon:
             f"unknown node method {method!r}; expected ping, create, call, destroy, free, free_port"
         )
 
-    async def _create(self, name: str, target: str, args: list, kwargs: dict) -> str:
+    async def _create(
+        self, name: str, target: str, args: list, kwargs: dict, hosted: Any = None
+    ) -> str:
         if name in self.objects:
             raise ValueError(f"object {name!r} already exists on node {self.node_id}")
+        kwargs = {**kwargs, **self._hosted(target, hosted or {})}
         loop = asyncio.get_running_loop()
         # Importing (torch, transformers) can take seconds: off the loop, so heartbeats go on.
         resolve_import(target, self.allowed_prefixes, import_now=False)  # refuse before import
@@ -407,18 +431,34 @@ class NodeDaemon:
             self.engine_thread, resolve_import, target, self.allowed_prefixes
         )
         args, kwargs = await self._materialize(args, kwargs)
+        if isinstance(factory, type) and issubclass(factory, UsesNode):
+            if "node" in kwargs:
+                raise ValueError(f"{target} gets this node as 'node'; do not pass one")
+            kwargs["node"] = self  # its store, prefixes and stop (arl.protocol.hosting)
         if inspect.iscoroutinefunction(factory):
             obj = await factory(*args, **kwargs)
         else:
             obj = await loop.run_in_executor(self.engine_thread, lambda: factory(*args, **kwargs))
-        if hasattr(obj, "attach_node"):
-            obj.attach_node(self)  # lets rollout workflows reach the shard store and events
         self.objects[name] = obj
         # Importing torch leaves ~10^5 long-lived objects that every full collection walks,
         # stalling this loop (and its heartbeats and pause calls) for 0.3-0.6 s; keep them out
         # of the collector's way.
         gc.freeze()
         return name
+
+    def _hosted(self, target: str, hosted: Any) -> dict[str, Any]:
+        """The objects ``create`` hands to ``target``, by keyword: {keyword: object name}."""
+        if not isinstance(hosted, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in hosted.items()
+        ):
+            raise WireError(f"create's hosted must map keywords to object names, got {hosted!r}")
+        missing = sorted(v for v in hosted.values() if v not in self.objects)
+        if missing:
+            raise KeyError(
+                f"{target} needs the object(s) {missing} on node {self.node_id}, which hosts "
+                f"{sorted(self.objects)}; create them first"
+            )
+        return {k: self.objects[v] for k, v in hosted.items()}
 
     async def _call(self, name: str, method: str, args: list, kwargs: dict) -> Any:
         try:
@@ -438,10 +478,9 @@ class NodeDaemon:
 
     async def _materialize(self, args: list, kwargs: dict) -> tuple[list, dict]:
         """Replace RTensor arguments by the shards they name, pulled from their owners."""
-        for svc in self.services:
-            if hasattr(svc, "materialize"):
-                return await svc.materialize(args, kwargs)
-        return args, kwargs
+        if self.data_plane is None:  # not configured yet: no call is served before that
+            return args, kwargs
+        return await self.data_plane.materialize(args, kwargs)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

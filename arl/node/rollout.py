@@ -23,6 +23,7 @@ import torch
 from arl.engines.base import Engine, SamplingParams, WeightTarget, refuse_target
 from arl.engines.spec import EngineSpec, build_engine
 from arl.protocol.errors import ErrorKind
+from arl.protocol.hosting import NodeContext, UsesNode
 from arl.protocol.imports import ImportRefused, resolve_import
 from arl.protocol.report import (
     SAMPLE_TEXT_CHARS,
@@ -70,7 +71,7 @@ def as_async_reward(fn: Any, target: str) -> Callable[[str, dict[str, Any]], Awa
     return reward
 
 
-class RolloutWorker:
+class RolloutWorker(UsesNode):
     """Hosts an inference engine and runs workflow episodes into the node's shard store."""
 
     def __init__(
@@ -88,6 +89,7 @@ class RolloutWorker:
         group_timeout: float | None = None,
         agent: str = "",
         workflow_kwargs: dict | None = None,
+        node: NodeContext | None = None,
     ):
         self.model_path = model_path
         # The engine's `EngineSpec` in wire form (default: the hf engine on the CPU); the
@@ -102,16 +104,12 @@ class RolloutWorker:
         self.prompt_overflow = prompt_overflow
         self.group_timeout = group_timeout
         self.agent_target, self.workflow_kwargs = agent, dict(workflow_kwargs or {})
-        self.node: Any = None
+        self.node = node  # the hosting node: its prefixes, shard store and stop (None: a test's)
         self.engine: Engine | None = None
         self.workflow: Any = None
         self.groups_done = 0
         self.groups_failed = 0
         self._engine_watch: asyncio.Task | None = None
-
-    def attach_node(self, node: Any) -> None:
-        """Called by the node after construction: gives access to its store and prefixes."""
-        self.node = node
 
     async def setup(self) -> dict:
         """Load the engine and tokenizer (imports checked against the node's prefixes)."""

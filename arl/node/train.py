@@ -81,7 +81,6 @@ class TrainWorker:
             total_steps=total_steps,
         )
         self.batch: dict[str, torch.Tensor] | None = None
-        self.node: Any = None
         self.n_steps = 0  # load_batch calls: the steps this rank has started
         self._profile: tuple[int, Path] | None = None
         self._profiler: Any = None
@@ -106,10 +105,6 @@ class TrainWorker:
     def warm_up(self) -> float:
         """Pay the first training passes' one-time costs now (see `FSDPEngine.warm_up`)."""
         return self.engine.warm_up()
-
-    def attach_node(self, node: Any) -> None:
-        """Called by the node after construction: gives access to its shard store."""
-        self.node = node
 
     # ---- one step ---------------------------------------------------------------------------
     def load_batch(self, shards: list[dict[str, torch.Tensor]]) -> dict:
@@ -202,7 +197,12 @@ class TrainWorker:
             raise RuntimeError("no batch loaded: call load_batch first")
         return self.batch
 
-    # ---- weights (what the arl.weights plug-ins use) -------------------------------------
+    # ---- weights (what the arl.weights plug-ins use: arl.protocol.weight_hooks.WeightSource)
+    @property
+    def weights_device(self) -> torch.device:
+        """The device this rank's weights live on."""
+        return self.engine.device
+
     def full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full (unsharded) named weights in the sync dtype, yielded on rank 0; every rank must
         iterate to the end (collective gathers). With LoRA: the adapter's tensors only."""

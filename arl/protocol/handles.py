@@ -7,7 +7,7 @@ a test can hand it stand-ins. Each Protocol lists only what a weight sync reads 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
@@ -31,16 +31,18 @@ class RemoteNode(Protocol):
 
 
 class RemotePart(Protocol):
-    """An object on a node (a worker, or a weight sync's node half)."""
+    """An object on a node (a worker, or a weight sync's node half); its methods are called
+    through a typed proxy of its class (`arl.protocol.proxy`), or by name with `call`."""
 
     node: RemoteNode
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``method`` of the object on its node."""
+        ...
 
     async def destroy(self) -> bool:
         """Close and drop the object on its node."""
         ...
-
-    # Its methods are called by name, ``await part.load(...)``, as the node half declares them.
-    def __getattr__(self, method: str) -> Callable[..., Awaitable[Any]]: ...
 
 
 class PlacedNodeView(Protocol):

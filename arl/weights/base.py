@@ -7,7 +7,8 @@ A mode is one module of `arl.weights` holding both of its halves:
   `stage` (per sync, while rollout still generates), `transfer` (per sync, rollout paused) and
   `cleanup` (per sync, after resume);
 - `NodePart` subclasses, created by `WeightSync.place` on the nodes beside their worker (the
-  ``train`` or ``rollout`` object) under the name ``weights``, that move the bytes.
+  ``train`` or ``rollout`` object, which the node hands in as ``host``) under the name
+  ``weights``, that move the bytes.
 
 The sequence is written once, in `WeightSync.sync`::
 
@@ -16,12 +17,10 @@ The sequence is written once, in `WeightSync.sync`::
 The pause keeps in-flight generations in their engines (``weight_sync.in_place``, where the
 engine's ``pause_in_place`` allows) or aborts them for resubmission; both continue after resume.
 
-What the node halves use of their worker: a train worker's ``rank``, ``engine.device``,
-``full_state()`` (the full weights in the sync dtype, collective across ranks),
-``weight_specs()``, ``weight_sources()`` (one rank: views, no gather) and ``tied_weights()``; a
-rollout worker's ``update_weights(named) -> int`` (the engine paused), ``weights_device`` (the
-device of an engine that takes tensors, None for one that does not) and
-``update_weights_from_disk(path)``. What each engine accepts is declared in its
+What the node halves use of their worker is declared in `arl.protocol.weight_hooks`: a train
+worker is a `WeightSource` (its rank, device, full state, specs, sources and tied weights), a
+rollout worker a `WeightSink` (``update_weights``, ``weights_device``,
+``update_weights_from_disk``). What each engine accepts is declared in its
 ``weight_targets`` (`arl.engines.base.WeightTarget`); `require_weight_target` checks a plan.
 
 On the controller a mode works with a `SyncContext`, whose cluster, workers and rollout control
@@ -36,12 +35,15 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import attrs
 
 from arl.config import ConfigError, WeightSyncConfig
 from arl.engines.base import WeightTarget
+from arl.protocol.proxy import proxy
+from arl.protocol.remote import RolloutWorkerAPI, TrainWorkerAPI
+from arl.protocol.weight_hooks import WeightSink, WeightSource
 from arl.wire.addresses import is_loopback
 
 if TYPE_CHECKING:
@@ -50,6 +52,8 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger("arl.weights")
+
+N = TypeVar("N", bound="NodePart")
 
 
 class WeightSyncError(RuntimeError):
@@ -143,36 +147,46 @@ class WeightSync:
                     log.warning("closing a weight-sync part failed: %s", e)
 
     # ---- helpers ----------------------------------------------------------------------------
-    async def place(self, target: str, nodes: Sequence[PlacedNodeView], **kwargs: Any) -> list:
-        """Create the node half ``target`` ("arl.weights.mode:Class") on each of ``nodes`` as
-        ``weights``; they are destroyed by `close`."""
+    async def place(self, part: type[N], nodes: Sequence[PlacedNodeView], host: str) -> list[N]:
+        """Create the node half ``part`` (a `NodePart` class of the mode's module) on each of
+        ``nodes`` as ``weights``, beside the worker named ``host`` ("train" or "rollout"),
+        which the node hands to it; returns them typed by that class (`arl.protocol.proxy`:
+        its public methods, called on the node); they are destroyed by `close`."""
+        target = f"{part.__module__}:{part.__qualname__}"
         made = await asyncio.gather(
-            *(p.handle.create(target, name="weights", **kwargs) for p in nodes)
+            *(p.handle.create(target, name="weights", hosted={"host": host}) for p in nodes)
         )
         self._placed.append(list(made))
-        return list(made)
+        return [proxy(part, r) for r in made]
 
 
 class NodePart:
-    """Node half of a mode: lives on a node beside its worker (``host``: its object name)."""
+    """Node half of a mode: lives on a node beside the worker it serves, ``host``, which the
+    node hands in when it builds the part (`WeightSync.place`)."""
 
-    def __init__(self, host: str) -> None:
-        self.host_name = host
-        self.node: Any = None
-        self.host: Any = None
-
-    def attach_node(self, node: Any) -> None:
-        """Called by the node after construction: finds the worker this part serves."""
-        self.node = node
-        try:
-            self.host = node.objects[self.host_name]
-        except KeyError:
-            raise WeightSyncError(
-                f"no {self.host_name!r} worker on node {node.node_id} for the weight sync"
-            ) from None
+    def __init__(self, host: Any) -> None:
+        self.host = host
 
 
-def engine_device(host: Any, mode: str) -> Any:
+class SenderPart(NodePart):
+    """A train node's half: its ``host`` is the train rank."""
+
+    host: WeightSource
+
+    def __init__(self, host: WeightSource) -> None:
+        super().__init__(host)
+
+
+class ReceiverPart(NodePart):
+    """A rollout node's half: its ``host`` is the rollout worker."""
+
+    host: WeightSink
+
+    def __init__(self, host: WeightSink) -> None:
+        super().__init__(host)
+
+
+def engine_device(host: WeightSink, mode: str) -> Any:
     """The device of the rollout worker's in-process engine; refuses server engines."""
     device = host.weights_device
     if device is None:
@@ -185,7 +199,7 @@ def engine_device(host: Any, mode: str) -> Any:
 
 async def match_engine_dtype(train: list[RemotePart], workers: list[RemotePart]) -> None:
     """Tell the train ranks the engines' weight dtype (from their health), if they report one."""
-    healths = await asyncio.gather(*(w.health() for w in workers))
+    healths = await asyncio.gather(*(proxy(RolloutWorkerAPI, w).health() for w in workers))
     dtypes = sorted({h["dtype"] for h in healths if h.get("dtype")})
     if len(dtypes) > 1:
         raise WeightSyncError(
@@ -193,7 +207,7 @@ async def match_engine_dtype(train: list[RemotePart], workers: list[RemotePart])
             "serves them all, so give every engine the same rollout.dtype"
         )
     if dtypes:
-        await asyncio.gather(*(w.set_sync_dtype(dtypes[0]) for w in train))
+        await asyncio.gather(*(proxy(TrainWorkerAPI, w).set_sync_dtype(dtypes[0]) for w in train))
 
 
 def rendezvous_host(cluster: ClusterView) -> str:

@@ -16,7 +16,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from arl.engines.base import WeightTarget
-from arl.weights.base import NodePart, WeightSync, require_weight_target
+from arl.protocol.proxy import proxy
+from arl.protocol.remote import TrainWorkerAPI
+from arl.weights.base import ReceiverPart, WeightSync, require_weight_target
 
 if TYPE_CHECKING:
     from arl.protocol.plan import NodeSpec
@@ -38,14 +40,12 @@ class DiskSync(WeightSync):
         """Agree on the dtype; place the receivers."""
         await super().setup()
         self.directory = self.ctx.run_path / self.run_dirs[0]
-        self.receivers = await self.place(
-            "arl.weights.disk:DiskReceiver", self.ctx.cluster.rollout, host="rollout"
-        )
+        self.receivers = await self.place(DiskReceiver, self.ctx.cluster.rollout, host="rollout")
 
     async def stage(self, version: int) -> None:
         """Every train rank takes part in writing the folder of ``version``."""
         path = str(self.directory / f"v{version}")
-        await asyncio.gather(*(w.save_hf(path) for w in self.ctx.train))
+        await asyncio.gather(*(proxy(TrainWorkerAPI, w).save_hf(path) for w in self.ctx.train))
 
     async def transfer(self, version: int) -> None:
         """Every engine reloads the folder."""
@@ -57,7 +57,7 @@ class DiskSync(WeightSync):
         shutil.rmtree(self.directory / f"v{version}", ignore_errors=True)
 
 
-class DiskReceiver(NodePart):
+class DiskReceiver(ReceiverPart):
     """Rollout node half: the engine's own reload from a folder."""
 
     async def load(self, path: str) -> None:

@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from arl.weights.base import NodePart, WeightSync, engine_device, engines_on_rank0_gpu
+from arl.protocol.weight_hooks import WeightSource
+from arl.weights.base import (
+    ReceiverPart,
+    SenderPart,
+    WeightSync,
+    engine_device,
+    engines_on_rank0_gpu,
+)
 from arl.weights.buckets import (
     BucketLayout,
     WeightTransferError,
@@ -50,10 +57,8 @@ class IpcSync(WeightSync):
         """Agree on the dtype, place the halves, plan the buckets."""
         await super().setup()
         cluster = self.ctx.cluster
-        self.senders = await self.place("arl.weights.ipc:IpcSender", cluster.train, host="train")
-        self.receivers = await self.place(
-            "arl.weights.ipc:IpcReceiver", cluster.rollout, host="rollout"
-        )
+        self.senders = await self.place(IpcSender, cluster.train, host="train")
+        self.receivers = await self.place(IpcReceiver, cluster.rollout, host="rollout")
         self.layouts = await self.senders[0].plan(self.ctx.config.bucket_bytes)
 
     async def transfer(self, version: int) -> dict:
@@ -126,10 +131,10 @@ class _BucketStream:
         torch.cuda.ipc_collect()
 
 
-class IpcSender(NodePart):
+class IpcSender(SenderPart):
     """Train node half: rank 0 shares bucket after bucket; the other ranks join the gathers."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: WeightSource) -> None:
         super().__init__(host)
         self.layouts: list[BucketLayout] = []
         self.stream: _BucketStream | None = None
@@ -145,7 +150,7 @@ class IpcSender(NodePart):
             if self.stream is not None:  # left behind by a sync that failed midway
                 self.stream.release()
             self.stream = _BucketStream(
-                self.host.full_state(), self.layouts, self.host.engine.device
+                self.host.full_state(), self.layouts, self.host.weights_device
             )
         if self.stream is None:
             raise RuntimeError(f"share({index}) before bucket 0")
@@ -169,7 +174,7 @@ class IpcSender(NodePart):
             self.stream = None
 
 
-class IpcReceiver(NodePart):
+class IpcReceiver(ReceiverPart):
     """Rollout node half: maps each shared bucket and copies it into the engine."""
 
     def load(self, fields: dict, layout: dict) -> int:

@@ -29,8 +29,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from arl.config import ConfigError
+from arl.protocol.weight_hooks import WeightSink, WeightSource
 from arl.weights.base import (
-    NodePart,
+    ReceiverPart,
+    SenderPart,
     WeightSync,
     engine_device,
     engines_on_rank0_gpu,
@@ -77,12 +79,8 @@ class IpcBufferSync(WeightSync):
         """Agree on the dtype, allocate and share the buffer, let every engine map it."""
         await super().setup()
         cluster = self.ctx.cluster
-        self.senders = await self.place(
-            "arl.weights.ipc_buffer:BufferSender", cluster.train, host="train"
-        )
-        self.receivers = await self.place(
-            "arl.weights.ipc_buffer:BufferReceiver", cluster.rollout, host="rollout"
-        )
+        self.senders = await self.place(BufferSender, cluster.train, host="train")
+        self.receivers = await self.place(BufferReceiver, cluster.rollout, host="rollout")
         shared = await self.senders[0].open()
         self.nbytes = int(shared["layout"]["nbytes"])
         await asyncio.gather(*(r.open(shared) for r in self.receivers))
@@ -98,10 +96,10 @@ class IpcBufferSync(WeightSync):
         await asyncio.gather(*(r.load() for r in self.receivers))
 
 
-class BufferSender(NodePart):
+class BufferSender(SenderPart):
     """Train node half: rank 0 owns the buffer; every rank takes part in filling it."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: WeightSource) -> None:
         super().__init__(host)
         self.buffer: torch.Tensor | None = None
         self.views: dict[str, torch.Tensor] = {}
@@ -113,7 +111,7 @@ class BufferSender(NodePart):
         """Rank 0: allocate the buffer, return its layout, tied names and handle fields."""
         if self.host.rank != 0:
             return None
-        device = torch.device(self.host.engine.device)
+        device = torch.device(self.host.weights_device)
         tied = self.host.tied_weights()  # alias -> the name that holds the tensor
         specs = [s for s in self.host.weight_specs() if s[0] not in tied]
         (layout,) = plan_buckets(specs, sys.maxsize)  # one bucket: the whole model
@@ -171,10 +169,10 @@ class BufferSender(NodePart):
             torch.cuda.ipc_collect()
 
 
-class BufferReceiver(NodePart):
+class BufferReceiver(ReceiverPart):
     """Rollout node half: maps the buffer once; each load copies it into the engine."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: WeightSink) -> None:
         super().__init__(host)
         self.buffer: Any = None
         self.named: list[tuple[str, torch.Tensor]] = []

@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from arl.config import ConfigError
+from arl.protocol.weight_hooks import WeightSink, WeightSource
 from arl.weights.base import (
-    NodePart,
+    ReceiverPart,
+    SenderPart,
     WeightSync,
     engine_device,
     rendezvous_host,
@@ -66,10 +68,8 @@ class NcclSync(WeightSync):
         await super().setup()
         cluster = self.ctx.cluster
         backend = "nccl" if cluster.train[0].spec.gpu_ids else "gloo"
-        self.senders = await self.place("arl.weights.nccl:NcclSender", cluster.train, host="train")
-        self.receivers = await self.place(
-            "arl.weights.nccl:NcclReceiver", cluster.rollout, host="rollout"
-        )
+        self.senders = await self.place(NcclSender, cluster.train, host="train")
+        self.receivers = await self.place(NcclReceiver, cluster.rollout, host="rollout")
         self.layouts = await self.senders[0].plan(self.ctx.config.bucket_bytes)
         host = rendezvous_host(cluster)
         port = await cluster.train[0].handle.call("free_port", {"host": host})
@@ -87,10 +87,10 @@ class NcclSync(WeightSync):
         return {"sync/bytes": sent, "sync/buckets": len(self.layouts)}
 
 
-class NcclSender(NodePart):
+class NcclSender(SenderPart):
     """Train node half: rank 0 is the group's root; the other ranks take part in the gathers."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: WeightSource) -> None:
         super().__init__(host)
         self.group: BroadcastGroup | None = None
         self.layouts: list[BucketLayout] = []
@@ -113,7 +113,7 @@ class NcclSender(NodePart):
         if self.group is None or not self.layouts:
             raise RuntimeError("send before plan and open_group")
         return broadcast_buckets(
-            self.group, self.host.full_state(), self.layouts, self.host.engine.device
+            self.group, self.host.full_state(), self.layouts, self.host.weights_device
         )
 
     def close(self) -> None:
@@ -123,10 +123,10 @@ class NcclSender(NodePart):
             self.group = None
 
 
-class NcclReceiver(NodePart):
+class NcclReceiver(ReceiverPart):
     """Rollout node half: a member of the group that copies each bucket into its engine."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: WeightSink) -> None:
         super().__init__(host)
         self.group: BroadcastGroup | None = None
 

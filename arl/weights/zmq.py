@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from arl.protocol.hosting import NodeContext, UsesNode
 from arl.protocol.rtensor import RTensor, ShardRef
-from arl.weights.base import NodePart, WeightSync, require_inprocess_engines
+from arl.protocol.weight_hooks import WeightSource
+from arl.weights.base import ReceiverPart, SenderPart, WeightSync, require_inprocess_engines
 
 if TYPE_CHECKING:
     from arl.protocol.plan import NodeSpec
@@ -34,12 +36,8 @@ class ZmqSync(WeightSync):
     async def setup(self) -> None:
         """Agree on the dtype; place the senders (every train rank) and receivers."""
         await super().setup()
-        self.senders = await self.place(
-            "arl.weights.zmq:ZmqSender", self.ctx.cluster.train, host="train"
-        )
-        self.receivers = await self.place(
-            "arl.weights.zmq:ZmqReceiver", self.ctx.cluster.rollout, host="rollout"
-        )
+        self.senders = await self.place(ZmqSender, self.ctx.cluster.train, host="train")
+        self.receivers = await self.place(ZmqReceiver, self.ctx.cluster.rollout, host="rollout")
         self.buckets: RTensor | None = None
 
     async def stage(self, version: int) -> dict:
@@ -65,8 +63,12 @@ class ZmqSync(WeightSync):
             await self.ctx.free(list(buckets.refs))
 
 
-class ZmqSender(NodePart):
+class ZmqSender(SenderPart, UsesNode):
     """Train node half: the full weights into the node's shard store as buckets (rank 0)."""
+
+    def __init__(self, host: WeightSource, node: NodeContext) -> None:
+        super().__init__(host)
+        self.node = node
 
     def publish(self, key_prefix: str, bucket_bytes: int) -> list[dict]:
         """Every rank calls it (the gathers are collective); returns rank 0's bucket metas."""
@@ -86,7 +88,7 @@ class ZmqSender(NodePart):
         return metas
 
 
-class ZmqReceiver(NodePart):
+class ZmqReceiver(ReceiverPart):
     """Rollout node half: the pulled buckets (the node materialises the RTensor argument)."""
 
     def load(self, buckets: list[dict[str, torch.Tensor]]) -> int:

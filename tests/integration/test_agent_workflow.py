@@ -18,6 +18,7 @@ from arl.data.loader import StatefulLoader
 from arl.engines.base import SamplingParams
 from arl.engines.hf import HFEngine
 from arl.filters import nonconstant_reward
+from arl.protocol.remote import rollout_worker
 from arl.rewards.arith import arith_reward
 from arl.run import run
 from arl.stats.logger import read_jsonl
@@ -118,9 +119,10 @@ def test_failing_agents_and_filters_are_counted_and_never_stall_rollout(tiny):
                     workflow_kwargs={"note": "noted by the subclass"},
                 ),
             )
-            await flaky.setup()  # one at a time: transformers' lazy imports race in threads
-            await broken.setup()
-            direct = await broken.run_group("direct", rows[0])
+            # One at a time: transformers' lazy imports race in threads.
+            await rollout_worker(flaky).setup()
+            await rollout_worker(broken).setup()
+            direct = await rollout_worker(broken).run_group("direct", rows[0])
 
             async def free(refs):
                 await node.call("free", {"keys": [r.key for r in refs]})

@@ -20,9 +20,11 @@ from zmq.utils.monitor import recv_monitor_message
 
 from arl.control.controller import Controller
 from arl.control.launcher import LocalNodes
+from arl.protocol.proxy import proxy
 from arl.wire.codec import Message, encode_message
 from arl.wire.sockets import Security, make_socket, new_secret
 from tests.support.cluster import local_cluster
+from tests.support.objects import Echo
 
 HANDSHAKE_FAILED = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
@@ -150,7 +152,7 @@ def test_node_data_plane_refuses_peers_without_the_run_token():
             finally:
                 ctx.destroy(linger=0)
             # The node is unharmed and still serves its controller.
-            echo = await nodes[0].create("tests.support.objects:Echo")
+            echo = proxy(Echo, await nodes[0].create("tests.support.objects:Echo"))
             assert await echo.echo("still here") == "still here"
             assert not ctl.lost
 
@@ -184,7 +186,7 @@ def test_curve_mode_round_trips_tensors_and_refuses_wrong_keys():
     async def main() -> None:
         async with local_cluster(1, curve=True) as (ctl, nodes, procs):
             assert procs.security.curve
-            echo = await nodes[0].create("tests.support.objects:Echo")
+            echo = proxy(Echo, await nodes[0].create("tests.support.objects:Echo"))
             payload = {
                 "bf16": torch.randn(300, 7).to(torch.bfloat16),
                 "ids": torch.arange(10_000, dtype=torch.int64),
@@ -229,7 +231,7 @@ def test_secret_never_appears_in_logs_repr_or_process_listings(capfd):
     async def main() -> tuple[str, list[bytes]]:
         async with local_cluster(2, env={"ARL_LOG_LEVEL": "DEBUG"}) as (ctl, nodes, procs):
             secret = procs.security.secret
-            echo = await nodes[0].create("tests.support.objects:Echo")
+            echo = proxy(Echo, await nodes[0].create("tests.support.objects:Echo"))
             await echo.echo(torch.ones(100))
             try:
                 await echo.fail("on purpose")

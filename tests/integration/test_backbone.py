@@ -13,7 +13,9 @@ import torch
 
 from arl.control.controller import NodeLost
 from arl.protocol.errors import RemoteError
+from arl.protocol.proxy import proxy
 from tests.support.cluster import local_cluster
+from tests.support.objects import Echo
 
 DTYPES = [
     torch.float64,
@@ -49,7 +51,7 @@ def _bits(t: torch.Tensor) -> bytes:
 def test_tensors_of_every_dtype_round_trip_bit_exact():
     async def main():
         async with local_cluster(1) as (_, nodes, _procs):
-            echo = await nodes[0].create("tests.support.objects:Echo")
+            echo = proxy(Echo, await nodes[0].create("tests.support.objects:Echo"))
             for dtype in DTYPES:
                 for shape in [(), (0,), (3, 0, 2), (7,), (64, 33), (2, 3, 4, 5)]:
                     t = _sample(dtype, shape)
@@ -68,7 +70,7 @@ def test_tensors_of_every_dtype_round_trip_bit_exact():
 def test_thousand_concurrent_calls_on_one_socket_complete():
     async def main():
         async with local_cluster(2) as (_, nodes, _procs):
-            objs = [await n.create("tests.support.objects:Echo") for n in nodes]
+            objs = [proxy(Echo, await n.create("tests.support.objects:Echo")) for n in nodes]
             calls = [objs[i % 2].aecho({"i": i}, 0.001 * (i % 7)) for i in range(1000)]
             results = await asyncio.gather(*calls)
             assert [r["i"] for r in results] == list(range(1000))
@@ -79,7 +81,7 @@ def test_thousand_concurrent_calls_on_one_socket_complete():
 def test_remote_exception_surfaces_with_type_and_traceback():
     async def main():
         async with local_cluster(1) as (_, nodes, _procs):
-            echo = await nodes[0].create("tests.support.objects:Echo")
+            echo = proxy(Echo, await nodes[0].create("tests.support.objects:Echo"))
             with pytest.raises(RemoteError) as info:
                 await echo.fail("the answer is not 42")
             err = info.value
@@ -113,7 +115,7 @@ def test_kill_9_of_a_node_gives_node_lost_within_timeout():
             _procs,
         ):
             victim = nodes[0]
-            echo = await victim.create("tests.support.objects:Echo")
+            echo = proxy(Echo, await victim.create("tests.support.objects:Echo"))
             pending = asyncio.create_task(echo.block(60))
             await asyncio.sleep(0.3)
             os.kill(victim.info["pid"], signal.SIGKILL)
@@ -124,7 +126,7 @@ def test_kill_9_of_a_node_gives_node_lost_within_timeout():
             assert time.monotonic() - t0 < 20
             assert victim.node_id in ctl.lost
             # The other node still answers; a new call to the lost one fails at once.
-            other = await nodes[1].create("tests.support.objects:Echo")
+            other = proxy(Echo, await nodes[1].create("tests.support.objects:Echo"))
             assert await other.echo(1) == 1
             with pytest.raises(NodeLost, match=r"while running \S+\.echo: "):
                 await echo.echo(1)
@@ -142,7 +144,7 @@ def test_a_call_to_a_node_whose_connection_is_gone_names_the_call():
             (victim,),
             _procs,
         ):
-            echo = await victim.create("tests.support.objects:Echo")
+            echo = proxy(Echo, await victim.create("tests.support.objects:Echo"))
             os.kill(victim.info["pid"], signal.SIGKILL)
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
@@ -215,8 +217,8 @@ def test_two_controllers_in_one_loop_do_not_share_state():
         async with local_cluster(1) as (ctl_a, nodes_a, _), local_cluster(1) as (ctl_b, nodes_b, _):
             assert ctl_a.address != ctl_b.address
             assert ctl_a.security.secret != ctl_b.security.secret
-            a = await nodes_a[0].create("tests.support.objects:Echo", "a")
-            b = await nodes_b[0].create("tests.support.objects:Echo", "b")
+            a = proxy(Echo, await nodes_a[0].create("tests.support.objects:Echo", "a"))
+            b = proxy(Echo, await nodes_b[0].create("tests.support.objects:Echo", "b"))
             assert await asyncio.gather(a.pid(), b.pid()) == [
                 nodes_a[0].info["pid"],
                 nodes_b[0].info["pid"],
@@ -236,7 +238,7 @@ def test_stopped_node_sigstop_is_lost_within_timeout():
             _procs,
         ):
             node = nodes[0]
-            echo = await node.create("tests.support.objects:Echo")
+            echo = proxy(Echo, await node.create("tests.support.objects:Echo"))
             os.kill(node.info["pid"], signal.SIGSTOP)
             try:
                 t0 = time.monotonic()

@@ -22,7 +22,7 @@ async def _train_then_ask_engines(cfg: Config) -> list[dict]:
         try:
             await trainer.setup()
             await trainer.train()
-            return list(await asyncio.gather(*(w.health() for w in trainer.rollout_workers)))
+            return list(await asyncio.gather(*(w.health() for w in trainer.rollout.workers)))
         finally:
             await trainer.close()
 

@@ -20,6 +20,7 @@ from arl.config import Config, ConfigError, apply_overrides
 from arl.data.loader import load_rows
 from arl.node.daemon import ImportRefused
 from arl.protocol.errors import ErrorKind, RemoteError
+from arl.protocol.remote import rollout_worker
 from tests.support.cluster import local_cluster
 
 REPO = Path(__file__).resolve().parents[2]
@@ -109,7 +110,7 @@ def test_rollout_node_refuses_workflow_and_reward_outside_its_prefixes(armed, tm
                     "arl.node.rollout:RolloutWorker", model_path=str(tmp_path), **kwargs
                 )
                 with pytest.raises(RemoteError) as info:
-                    await worker.setup()
+                    await rollout_worker(worker).setup()
                 errors[what] = info.value
             return errors
 

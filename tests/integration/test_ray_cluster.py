@@ -30,8 +30,10 @@ from arl.control.controller import Controller, NodeLost
 from arl.control.ray_launcher import RayNodes
 from arl.process import death_signal_argv
 from arl.protocol.plan import NodeSpec
+from arl.protocol.proxy import proxy
 from arl.stats.logger import read_jsonl
 from arl.wire.sockets import Security, new_secret
+from tests.support.objects import Echo
 from tests.support.tiny_model import make_tiny_model, tiny_run_config
 
 ray = pytest.importorskip("ray", reason="ray is not installed: pip install -e '.[ray]'")
@@ -173,7 +175,7 @@ def test_ray_actors_run_the_nodes_and_nothing_is_left(ray_driver, ray_head):
                 handles = await ctl.wait_for_nodes(2, timeout=120)
                 assert sorted(h.node_id for h in handles) == ["rollout0", "train0"]
                 for h in handles:
-                    echo = await h.create("tests.support.objects:Echo")
+                    echo = proxy(Echo, await h.create("tests.support.objects:Echo"))
                     assert await echo.echo({"x": [1, 2]}) == {"x": [1, 2]}
                     # The node that answers is the daemon its Ray actor started.
                     pid = await echo.pid()
@@ -201,7 +203,7 @@ def test_killed_actor_is_node_lost_naming_it_and_ctrl_c_ends_the_rest(ray_driver
                 await nodes.start(ctl.address)
                 _remember(nodes, seen)
                 handles = {h.node_id: h for h in await ctl.wait_for_nodes(2, timeout=120)}
-                slow = await handles["rollout0"].create("tests.support.objects:Echo")
+                slow = proxy(Echo, await handles["rollout0"].create("tests.support.objects:Echo"))
                 call = asyncio.create_task(slow.block(120))
                 await asyncio.sleep(0.2)
                 ray.kill(nodes.actors["rollout0"])
@@ -213,7 +215,7 @@ def test_killed_actor_is_node_lost_naming_it_and_ctrl_c_ends_the_rest(ray_driver
                 while _alive(pid) and time.monotonic() < deadline:
                     await asyncio.sleep(0.1)
                 assert not _alive(pid), "the daemon outlived its killed actor"
-                other = await handles["train0"].create("tests.support.objects:Echo")
+                other = proxy(Echo, await handles["train0"].create("tests.support.objects:Echo"))
                 assert await other.echo(7) == 7
                 assert "rollout0" in ctl.lost and "train0" not in ctl.lost
                 # Ctrl-C: asyncio.run cancels main(), then raises KeyboardInterrupt.

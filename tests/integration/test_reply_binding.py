@@ -19,9 +19,12 @@ from arl.control.rollout import RolloutController, RolloutFailed
 from arl.control.staleness import StalenessSemaphore
 from arl.data.arith import make_arith
 from arl.data.loader import StatefulLoader
+from arl.protocol.proxy import proxy
+from arl.protocol.remote import rollout_worker
 from arl.wire.codec import Message, decode_message, encode_message
 from arl.wire.sockets import make_socket
 from tests.support.cluster import local_cluster
+from tests.support.objects import Echo
 from tests.support.tiny_model import make_tiny_model
 
 N_FORGED = 3000
@@ -57,7 +60,7 @@ def test_forged_replies_from_another_node_are_refused_and_the_real_answer_wins(c
 
     async def main():
         async with local_cluster(1) as (ctl, (node,), _p):
-            echo = await node.create("tests.support.objects:Echo")
+            echo = proxy(Echo, await node.create("tests.support.objects:Echo"))
             calls = [asyncio.create_task(echo.aecho(f"real{i}", delay=3.0)) for i in range(8)]
             await asyncio.sleep(0.5)  # the calls are in flight on the real node
             await _forger(ctl, N_FORGED)
@@ -135,7 +138,7 @@ def test_rollout_groups_survive_a_forger_and_every_shard_is_freed(tiny_model):
                 n_samples=2,
                 max_prompt_len=128,
             )
-            await worker.setup()
+            await rollout_worker(worker).setup()
 
             async def free(refs):
                 await node.call("free", {"keys": [r.key for r in refs]})

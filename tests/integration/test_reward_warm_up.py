@@ -48,9 +48,10 @@ def test_setup_starts_the_rewards_verify_workers_before_any_group(tiny_model):
 
 def test_an_async_warm_up_is_refused_at_setup_naming_the_reward(tiny_model):
     worker = RolloutWorker(
-        model_path=tiny_model, reward="tests.support.deterministic:async_warm_up_reward"
+        model_path=tiny_model,
+        reward="tests.support.deterministic:async_warm_up_reward",
+        node=SimpleNamespace(allowed_prefixes=("arl.", "tests.")),
     )
-    worker.attach_node(SimpleNamespace(allowed_prefixes=("arl.", "tests.")))
     with pytest.raises(TypeError, match="async_warm_up_reward.warm_up is async; make it a plain"):
         asyncio.run(worker.setup())
 
@@ -61,8 +62,8 @@ def test_a_plain_def_reward_scores_every_sample_off_the_event_loop(tiny_model):
         reward="tests.support.deterministic:plain_thread_reward",
         sampling={"max_new_tokens": 4},
         n_samples=3,
+        node=SimpleNamespace(allowed_prefixes=("arl.", "tests.")),
     )
-    worker.attach_node(SimpleNamespace(allowed_prefixes=("arl.", "tests.")))
     row = {"messages": [{"role": "user", "content": "2*3"}]}
 
     async def main() -> list[float]:

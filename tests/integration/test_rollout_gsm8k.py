@@ -8,9 +8,12 @@ import torch
 
 from arl.data.gsm8k import load_gsm8k
 from arl.engines.model import resolve_model
+from arl.protocol.proxy import proxy
+from arl.protocol.remote import rollout_worker
 from arl.protocol.rtensor import RTensor, ShardRef
 from arl.workflows.base import TRAJECTORY_KEYS
 from tests.support.cluster import local_cluster
+from tests.support.objects import Echo
 
 
 def test_16_prompts_x_4_samples_give_64_well_formed_trajectories(tmp_path, gsm8k_dir):
@@ -27,12 +30,13 @@ def test_16_prompts_x_4_samples_give_64_well_formed_trajectories(tmp_path, gsm8k
                 sampling={"max_new_tokens": 32, "temperature": 1.0},
                 n_samples=4,
             )
-            await worker.setup()
-            infos = await asyncio.gather(*(worker.run_group(f"q{i}", rows[i]) for i in range(16)))
+            typed = rollout_worker(worker)
+            await typed.setup()
+            infos = await asyncio.gather(*(typed.run_group(f"q{i}", rows[i]) for i in range(16)))
             refs = [ShardRef.from_meta(rollout_node.node_id, i["meta"], 4) for i in infos]
             # A second node pulls every group over the data plane, as a train rank would.
             batch = RTensor(refs, peers={rollout_node.node_id: rollout_node.info["data_addr"]})
-            echo = await consumer.create("tests.support.objects:Echo")
+            echo = proxy(Echo, await consumer.create("tests.support.objects:Echo"))
             shards = await echo.echo(batch.to_wire())
             return infos, shards
 

@@ -10,6 +10,7 @@ from arl.control.rollout import RolloutController, RolloutFailed
 from arl.control.staleness import StalenessSemaphore
 from arl.data.arith import make_arith
 from arl.data.loader import StatefulLoader
+from arl.protocol.remote import rollout_worker
 from tests.support.cluster import local_cluster
 from tests.support.tiny_model import make_tiny_model
 
@@ -40,7 +41,7 @@ def test_a_loader_error_in_the_submit_loop_fails_prepare_batch_with_it(tiny_mode
                 n_samples=2,
                 sampling={"max_new_tokens": 4},
             )
-            await worker.setup()
+            await rollout_worker(worker).setup()
             rollout = RolloutController(
                 [worker],
                 BrokenLoader(rows, 1, shuffle=False),

@@ -10,9 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from arl.control.dispatch import dispatch
+from arl.protocol.proxy import proxy
 from arl.protocol.rtensor import RTensor, ShardRef
 from tests.support.cluster import local_cluster
-from tests.support.objects import make_group
+from tests.support.objects import ShardLab, make_group
 
 LAB = "tests.support.objects:ShardLab"
 
@@ -39,7 +40,7 @@ async def _free(nodes, batch):
 def _cluster_test(body):
     async def main():
         async with local_cluster(4) as (ctl, nodes, _):
-            labs = [(n, await n.create(LAB)) for n in nodes]
+            labs = [(n, proxy(ShardLab, await n.create(LAB))) for n in nodes]
             await body(ctl, nodes, labs[:2], labs[2:])
 
     asyncio.run(main())
@@ -145,7 +146,8 @@ def test_a_rank_pulling_from_a_killed_owner_fails_at_once_with_a_recoverable_kin
 
     async def main():
         async with local_cluster(2, heartbeat_timeout=60.0) as (ctl, nodes, procs):
-            (owner, owner_lab), (_, lab) = [(n, await n.create(LAB)) for n in nodes]
+            labs = [(n, proxy(ShardLab, await n.create(LAB))) for n in nodes]
+            (owner, owner_lab), (_, lab) = labs
             meta = await owner_lab.produce("g0", 7, 4, 64)
             batch = RTensor(
                 [ShardRef.from_meta(owner.node_id, meta, 4)],

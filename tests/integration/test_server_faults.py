@@ -28,6 +28,7 @@ from arl.engines.sglang import SGLangEngine
 from arl.engines.spec import EngineSpec
 from arl.process import process_group_members
 from arl.protocol.errors import ErrorKind, RemoteError
+from arl.protocol.remote import rollout_worker
 from tests.support.cluster import local_cluster
 from tests.support.tiny_model import make_tiny_model
 
@@ -153,9 +154,9 @@ def test_rollout_node_stops_naming_its_killed_server(tiny_model):
                 name="rollout",
                 **_rollout_worker_kwargs(tiny_model, STANDIN, STANDIN_ENV),
             )
-            health = await worker.setup()
+            health = await rollout_worker(worker).setup()
             pid, url = health["pid"], health["url"]
-            group = asyncio.create_task(worker.run_group("g0", row))
+            group = asyncio.create_task(rollout_worker(worker).run_group("g0", row))
             t_kill = time.monotonic()
             await _kill_when_decoding(url, pid)
             # The group's own reply (ServerExited) may leave before the node's goodbye; either
@@ -227,8 +228,8 @@ def test_rollout_node_stops_naming_its_killed_vllm_server(tmp_path):
                 sampling={"max_new_tokens": 1024},
                 n_samples=4,
             )
-            health = await worker.setup()
-            group = asyncio.create_task(worker.run_group("g0", row))
+            health = await rollout_worker(worker).setup()
+            group = asyncio.create_task(rollout_worker(worker).run_group("g0", row))
             # Killed while it generates: an idle machine answers a short question within a
             # second, so the kill waits for requests running on the server, not a fixed time.
             await _until_vllm_runs_requests(health["url"])

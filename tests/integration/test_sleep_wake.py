@@ -19,6 +19,7 @@ from arl.control.staleness import StalenessSemaphore
 from arl.data.arith import make_arith
 from arl.data.loader import StatefulLoader
 from arl.node.rollout import data_id
+from arl.protocol.remote import rollout_worker
 from tests.support.cluster import local_cluster
 from tests.support.tiny_model import make_tiny_model
 
@@ -46,7 +47,7 @@ def test_sleep_wake_around_train_steps_loses_and_duplicates_no_group(tiny_model)
                 n_samples=2,
                 max_prompt_len=128,
             )
-            await worker.setup()
+            await rollout_worker(worker).setup()
             before = await worker.call("weights_checksum")
 
             async def free(refs):

@@ -21,6 +21,7 @@ from arl.data.arith import make_arith
 from arl.data.loader import StatefulLoader
 from arl.node.rollout import data_id
 from arl.protocol.errors import RemoteError
+from arl.protocol.remote import rollout_worker
 from tests.support.cluster import local_cluster
 from tests.support.tiny_model import make_tiny_model
 
@@ -94,7 +95,7 @@ def test_a_group_past_rollout_group_timeout_is_abandoned_and_counted(tiny_model)
                 max_prompt_len=128,
                 group_timeout=3.0,
             )
-            await worker.setup()
+            await rollout_worker(worker).setup()
 
             async def free(refs):
                 await node.call("free", {"keys": [r.key for r in refs]})

@@ -13,7 +13,9 @@ import pytest
 
 from arl.control.controller import Controller
 from arl.control.launcher import SlurmNodes, node_command
+from arl.protocol.proxy import proxy
 from arl.wire.sockets import SECRET_ENV, Security, new_secret
+from tests.support.objects import Echo
 
 pytestmark = [
     pytest.mark.slurm,
@@ -28,7 +30,7 @@ async def _exercise(ctl: Controller, n: int) -> list[str]:
     nodes = await ctl.wait_for_nodes(n, timeout=120)
     ids = []
     for node in nodes:
-        echo = await node.create("tests.support.objects:Echo")
+        echo = proxy(Echo, await node.create("tests.support.objects:Echo"))
         assert await echo.echo({"x": [1, 2]}) == {"x": [1, 2]}
         ids.append(node.node_id)
     return ids

@@ -24,6 +24,7 @@ from arl.control.rollout import RolloutController, RolloutFailed
 from arl.control.staleness import StalenessSemaphore
 from arl.data.arith import make_arith
 from arl.data.loader import StatefulLoader
+from arl.protocol.remote import rollout_worker
 from arl.supervisor import recoverable
 from tests.support import hostile
 from tests.support.cluster import local_cluster
@@ -51,7 +52,7 @@ async def _rollout_worker(node, model: str, reward: str):
         n_samples=2,
         max_prompt_len=128,
     )
-    await worker.setup()
+    await rollout_worker(worker).setup()
     return worker
 
 

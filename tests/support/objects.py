@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from arl.protocol.hosting import NodeContext, UsesNode
+
 
 class Echo:
     """Returns what it is given; counts calls; can raise, sleep or block on request."""
@@ -69,11 +71,10 @@ def make_group(seed: int, group_size: int, max_len: int) -> dict[str, torch.Tens
     }
 
 
-class ShardLab:
+class ShardLab(UsesNode):
     """Produces shards into its node's store and consumes pulled ones, for RTensor tests."""
 
-    def attach_node(self, node: object) -> None:
-        """Called by the node: gives access to its shard store."""
+    def __init__(self, node: NodeContext):
         self.node = node
 
     def produce(self, key: str, seed: int, group_size: int, max_len: int) -> dict:
@@ -109,3 +110,18 @@ class SlowWorkflow:
         if data.get("slow"):
             await asyncio.sleep(float(data["slow"]))
         return await self.inner.arun_episode(engine, data, *args)
+
+
+class Beside(UsesNode):
+    """Built with an object its node already hosts (``host``) and with the node itself."""
+
+    def __init__(self, host: Echo, node: NodeContext):
+        self.host, self.node = host, node
+
+    def host_tag(self) -> str:
+        """The tag of the hosted object it was handed."""
+        return self.host.tag
+
+    def node_id(self) -> str:
+        """The id of the node that built it."""
+        return self.node.node_id

@@ -1,21 +1,22 @@
-"""The train ranks' typed interface: TrainWorker satisfies it, the proxy refuses other names."""
+"""The workers' typed interfaces: the workers implement them, the generated callers refuse
+other names, bind arguments at the caller and decode the replies."""
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 
 import pytest
 
 from arl.node.train import TrainWorker
+from arl.protocol.proxy import MalformedReply, check_implements, per_rank
 from arl.protocol.remote import (
     LoadedBatch,
     StatsError,
     StepStats,
-    TrainRanks,
     TrainWorkerAPI,
     UnknownRemoteMethod,
     api_methods,
+    train_ranks,
 )
 from arl.protocol.rtensor import RTensor, ShardRef
 
@@ -32,25 +33,35 @@ class Recorder:
         return self.answers.get(method, [None, None])
 
 
-def test_train_worker_satisfies_the_api_with_the_same_parameters() -> None:
-    for name in api_methods(TrainWorkerAPI):
-        declared = inspect.signature(getattr(TrainWorkerAPI, name))
-        actual = inspect.signature(getattr(TrainWorker, name))
-        assert list(declared.parameters) == list(actual.parameters), name
+def test_train_worker_implements_its_api_with_the_same_parameters() -> None:
+    assert check_implements(TrainWorker, TrainWorkerAPI) == []
+    assert {"load_batch", "ppo_update", "set_sync_dtype", "save_hf"} <= api_methods(TrainWorkerAPI)
 
 
-def test_every_proxy_method_calls_the_api_method_of_its_name() -> None:
-    proxied = {n for n, v in vars(TrainRanks).items() if inspect.iscoroutinefunction(v)} - {"call"}
-    assert proxied == api_methods(TrainWorkerAPI)
+def test_a_worker_that_drifts_from_its_api_is_named() -> None:
+    class Drifted:
+        def warm_up(self, seconds: float) -> float: ...
+
+    wrong = check_implements(Drifted, TrainWorkerAPI)
+    assert "Drifted.warm_up takes ['self', 'seconds'], TrainWorkerAPI declares ['self']" in wrong
+    assert "Drifted lacks ppo_update" in wrong
+
+
+def test_the_fan_out_offers_exactly_the_api_methods() -> None:
+    ranks = train_ranks(Recorder({}), 2)
+    offered = {n for n in dir(ranks) if not n.startswith("_")} - {"n_ranks", "api"}
+    assert offered == api_methods(TrainWorkerAPI)
 
 
 def test_an_unknown_method_fails_at_the_caller_and_nothing_is_sent() -> None:
     fan_out = Recorder({})
-    ranks = TrainRanks(fan_out, 2)
+    ranks = train_ranks(fan_out, 2)
     with pytest.raises(UnknownRemoteMethod, match="'full_stat' is not a method of TrainWorkerAPI"):
-        asyncio.run(ranks.call("full_stat"))
-    with pytest.raises(ValueError, match="1 argument lists for 2 ranks"):
-        asyncio.run(ranks.call("score", [[[1, 2]]]))
+        ranks.full_stat()
+    with pytest.raises(ValueError, match="1 values for 2 ranks"):
+        asyncio.run(ranks.score(per_rank([[1, 2]])))
+    with pytest.raises(TypeError, match=r"TrainWorkerAPI.load_state.*missing a required argument"):
+        asyncio.run(ranks.load_state("/ckpt"))
     assert fan_out.sent == []
 
 
@@ -60,11 +71,11 @@ def test_calls_send_method_names_and_decode_the_replies() -> None:
         "ppo_update": [{"loss": 0.5, "grad_norm": "nan"}, {"loss": 1, "grad_norm": 2.0}],
     }
     fan_out = Recorder(answers)
-    ranks = TrainRanks(fan_out, 2)
+    ranks = train_ranks(fan_out, 2)
     parts = [RTensor([ShardRef("n", f"g{i}", 8, 4)]) for i in range(2)]
 
     async def step() -> tuple:
-        loaded = await ranks.load_batch(parts)
+        loaded = await ranks.load_batch(per_rank(parts))
         stats = await ranks.ppo_update()
         await ranks.load_state("/ckpt", 3)
         return loaded, stats
@@ -104,44 +115,50 @@ class FakeHandle:
     def __init__(self, answer):
         self.answer, self.sent = answer, []
 
-    async def call(self, method, *args):
-        self.sent.append((method, args))
+    async def call(self, method, *args, **kwargs):
+        self.sent.append((method, args, kwargs))
         return self.answer
 
 
-def test_rollout_worker_satisfies_its_api_with_the_same_parameters() -> None:
+def test_rollout_worker_implements_its_api_with_the_same_parameters() -> None:
     from arl.node.rollout import RolloutWorker
     from arl.protocol.remote import RolloutWorkerAPI
 
-    for name in api_methods(RolloutWorkerAPI):
-        declared = inspect.signature(getattr(RolloutWorkerAPI, name))
-        actual = inspect.signature(getattr(RolloutWorker, name))
-        assert list(declared.parameters) == list(actual.parameters), name
-        assert inspect.iscoroutinefunction(getattr(RolloutWorker, name)), name
+    assert check_implements(RolloutWorker, RolloutWorkerAPI) == []
 
 
-def test_rollout_client_refuses_unknown_methods_and_checks_scores() -> None:
-    from arl.protocol.remote import RolloutWorkerClient
+def test_rollout_proxy_refuses_unknown_methods_and_checks_replies() -> None:
+    from arl.protocol.remote import rollout_worker
 
     handle = FakeHandle([1.0, 0])
-    client = RolloutWorkerClient(handle)
-    assert client.node == "node0"
+    worker = rollout_worker(handle)
+    assert worker.node == "node0"
     with pytest.raises(UnknownRemoteMethod, match="'update_weight' is not a method"):
-        asyncio.run(client.call("update_weight"))
-    assert asyncio.run(client.evaluate([{}, {}])) == [1.0, 0.0]
-    assert handle.sent == [("evaluate", ([{}, {}], 1, 0.0))]
-    with pytest.raises(StatsError, match=r"one number per row \(3\)"):
-        asyncio.run(client.evaluate([{}, {}, {}]))
+        worker.update_weight()
+    assert asyncio.run(worker.evaluate([{}, {}])) == [1.0, 0.0]
+    assert asyncio.run(worker.evaluate([{}], max_new_tokens=8)) == [1.0, 0.0]
+    # max_new_tokens reaches the worker (the hand-written client of before dropped it).
+    assert handle.sent == [
+        ("evaluate", ([{}, {}],), {}),
+        ("evaluate", ([{}],), {"max_new_tokens": 8}),
+    ]
+    handle.answer = [1.0, "x"]
+    evaluate_shape = r"RolloutWorkerAPI.evaluate must answer list\[float\]"
+    with pytest.raises(MalformedReply, match=evaluate_shape):
+        asyncio.run(worker.evaluate([{}, {}]))
+    handle.answer = True
+    with pytest.raises(MalformedReply, match="RolloutWorkerAPI.sleep must answer int, got True"):
+        asyncio.run(worker.sleep())
 
 
-def test_rollout_client_sends_the_pause_mode() -> None:
-    from arl.protocol.remote import RolloutWorkerClient
+def test_rollout_proxy_sends_the_pause_mode() -> None:
+    from arl.protocol.remote import rollout_worker
 
     handle = FakeHandle(None)
-    client = RolloutWorkerClient(handle)
-    asyncio.run(client.pause(in_place=True))
-    asyncio.run(client.pause())
-    assert handle.sent == [("pause", (True,)), ("pause", (False,))]
+    worker = rollout_worker(handle)
+    asyncio.run(worker.pause(in_place=True))
+    asyncio.run(worker.pause())
+    assert handle.sent == [("pause", (True,), {}), ("pause", (), {})]
 
 
 def test_rollout_worker_refuses_a_pause_mode_that_is_not_a_bool() -> None:
