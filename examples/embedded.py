@@ -24,7 +24,7 @@ async def main() -> None:
             reward="arl.rewards.arith:arith_reward",
             sampling={"max_new_tokens": 32},
         )
-        worker = proxy(RolloutWorkerAPI, remote)  # typed: RolloutWorkerAPI's methods only
+        worker = proxy(RolloutWorkerAPI, remote)  # typed: the API's methods only
         await worker.setup()  # loads the hf engine inside the node process
         row = make_arith(1, seed=0, split="test")[0]
         info = report_from_wire(await worker.run_group("group0", row))  # tensors stay there
