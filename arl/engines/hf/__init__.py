@@ -18,6 +18,12 @@ longest row, bucketed, under the additive mask; ``"flex"`` (flex.py) runs torch'
 rows' own lengths; ``"auto"`` (the default) is flex on CUDA and sdpa elsewhere. Prefill takes
 SDPA either way.
 
+Decode step (fused.py): for the Llama family (llama, mistral, qwen2, qwen3) a decode step runs as
+three fused functions per layer (``torch.compile``d on CUDA, with the batch dimension dynamic)
+instead of through transformers' modules, about half the kernels; the q/k/v and gate/up
+Parameters are views of one buffer each, and all layers' keys and values share one buffer, so
+compaction is one copy. Other models, and ``fused_decode=False``, decode through the modules.
+
 On CUDA the decode step is replayed from CUDA graphs, one per (batch bucket, KV-length bucket),
 or with flex one per batch bucket at the cache's whole width (blocks past a row's length cost
 nothing), since per-step host overhead, not the GPU, bounds an eager decode step. Prefill stays
