@@ -78,7 +78,7 @@ def test_forged_replies_from_another_node_are_refused_and_the_real_answer_wins(c
 @pytest.mark.parametrize(
     ("answer", "why"),
     [
-        (None, "expected a map, got NoneType"),
+        (None, "GroupReport: expected a map, got None"),
         ({"key": "g0"}, "'group_size' must be an integer"),
         (
             {
@@ -90,7 +90,7 @@ def test_forged_replies_from_another_node_are_refused_and_the_real_answer_wins(c
                 "rewards": [0.0, 1.0],
                 "data_id": "x",
             },
-            "'meta': malformed shard ref",
+            "'meta': ShardRef: 'nbytes' must be an integer",
         ),
     ],
 )
