@@ -8,13 +8,14 @@ placement is written as backend strings, `parse_backend` (`backend`).
 """
 
 from arl.config.backend import TRAIN_ENGINES, Backend, engine_names, parse_backend
+from arl.config.errors import ConfigError
 from arl.config.files import converter, from_yaml, help_text, load_yaml, save_resolved, to_yaml
 from arl.config.overrides import apply_overrides, convert_value
+from arl.config.rules import import_problem
 from arl.config.tree import (
     ActorConfig,
     ClusterConfig,
     Config,
-    ConfigError,
     DataConfig,
     EvaluatorConfig,
     ExperimentConfig,
@@ -32,7 +33,7 @@ from arl.config.tree import (
     field_keys,
     get_key,
 )
-from arl.config.validate import import_problem, type_problems, validation_problems
+from arl.config.validate import type_problems, validation_problems
 
 __all__ = [
     "TRAIN_ENGINES",

@@ -5,8 +5,8 @@ from typing import Literal
 
 import attrs
 
-from arl.config.rules import registry_names
-from arl.config.tree import ConfigError
+from arl.config.errors import ConfigError
+from arl.config.registry import registry_names
 
 # The rollout engines are the registry's (`arl.engines.spec.ENGINES`, read when asked: the
 # engines import this package); the train engine runs in `arl.node.train`, the one there is.

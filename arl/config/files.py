@@ -8,8 +8,9 @@ import attrs
 import cattrs
 import yaml
 
+from arl.config.errors import ConfigError
 from arl.config.rules import BackendString, OneOf, Range
-from arl.config.tree import Config, ConfigError, field_keys, get_key
+from arl.config.tree import Config, field_keys, get_key
 from arl.config.validate import show_value, type_name
 
 

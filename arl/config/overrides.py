@@ -11,8 +11,9 @@ import attrs
 import yaml
 
 from arl.config.backend import parse_backend
+from arl.config.errors import ConfigError
 from arl.config.rules import BackendString
-from arl.config.tree import Config, ConfigError, field_keys
+from arl.config.tree import Config, field_keys
 from arl.config.validate import show_value, type_name
 
 

@@ -6,22 +6,22 @@ A rule's `problem(value, cfg)` says why a value is refused ("" when it is not); 
 the key and the value. A field typed ``X | None`` skips its rule when none. Plug-in names are
 checked against the plug-in's own registry (`OneOf`), read when validation asks, so this
 package imports no plug-in and a plug-in registered there is accepted without an edit here.
+An import string's check, `import_problem`, is here with its rule (`ImportPath`); the rules
+between fields (`arl.config.validate`) call it too.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
 from typing import Any
 
 import attrs
 
-
-def registry_names(target: str) -> list[str]:
-    """The names of the registry at ``module:attribute`` (a dict of name -> implementation)."""
-    module, _, name = target.partition(":")
-    return list(getattr(importlib.import_module(module), name))
+from arl.config.backend import engine_names, parse_backend
+from arl.config.errors import ConfigError
+from arl.config.registry import registry_names
+from arl.protocol.imports import ImportRefused, resolve_import, split_target, under_prefix
 
 
 @attrs.frozen
@@ -106,6 +106,30 @@ class OneOf:
         return "" if value in self.choices() else self.describe()
 
 
+def import_problem(target: str, prefixes: list[str] | tuple[str, ...]) -> str:
+    """Why ``target`` may not be used under ``prefixes`` ("" when it may), by the import rule
+    that nodes apply too (`arl.protocol.imports`). A module under a prefix is imported here,
+    so that an attribute walking out of it is refused before any node starts."""
+    try:
+        module, _ = split_target(target)
+    except ValueError:
+        return "must be an import path module:attribute (dotted identifiers)"
+    if not under_prefix(module, prefixes):
+        return (
+            f"module {module!r} is not under cluster.allowed_import_prefixes={list(prefixes)}; "
+            "add its prefix there (nodes and the launcher import only from those)"
+        )
+    try:
+        resolve_import(target, prefixes)
+    except ImportRefused as e:
+        return str(e).removeprefix(f"refusing to import {target!r}: ")
+    except AttributeError as e:  # raised by resolve_import, naming the missing step
+        return str(e).removeprefix(f"import string {target!r}: ")
+    except Exception as e:  # the module itself fails to import, or the name is missing
+        return f"cannot be imported: {type(e).__name__}: {e}"
+    return ""
+
+
 @attrs.frozen
 class ImportPath:
     """An import string ``module:attribute`` under ``cluster.allowed_import_prefixes``, imported
@@ -120,8 +144,6 @@ class ImportPath:
     def problem(self, value: Any, cfg: Any) -> str:
         if self.optional and not value:
             return ""
-        from arl.config.validate import import_problem  # validate imports the tree, which us
-
         return import_problem(value, cfg.cluster.allowed_import_prefixes)
 
 
@@ -134,14 +156,9 @@ class BackendString:
     names_value = True  # parse_backend's message quotes the string itself
 
     def describe(self) -> str:
-        from arl.config.backend import engine_names
-
         return f"ENGINE one of {', '.join(engine_names(self.role))}"
 
     def problem(self, value: Any, cfg: Any) -> str:
-        from arl.config.backend import parse_backend
-        from arl.config.tree import ConfigError
-
         try:
             parse_backend(value, self.role)  # type: ignore[arg-type]
         except ConfigError as e:

@@ -8,11 +8,13 @@ strings) are names checked against their plug-in's registry.
 """
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 import attrs
 
+from arl.config.errors import ConfigError
 from arl.config.rules import (
     BackendString,
     Holds,
@@ -27,9 +29,10 @@ from arl.config.rules import (
 
 MiB = 2**20
 
-
-class ConfigError(ValueError):
-    """A configuration problem the user can fix; the message says what and how."""
+# The checks `Config.validate` runs, ``"types"`` and ``"values"`` (`type_problems` and
+# `validation_problems`), set by `arl.config.validate` when it is imported, as `arl.config` does:
+# validation reads this tree, so this module does not import it.
+CHECKS: dict[str, Callable[["Config"], list[str]]] = {}
 
 
 def _f(
@@ -681,17 +684,12 @@ class Config:
         Types come first (a recipe assigns fields directly, past the override parser): with any
         field of the wrong type only the type problems are listed, as the value checks need them.
         """
-        # Imported here: arl.config.validate imports this module.
-        from arl.config.validate import type_problems, validation_problems
-
-        _raise(type_problems(self) or validation_problems(self))
+        _raise(CHECKS["types"](self) or CHECKS["values"](self))
 
     def validate_types(self) -> None:
         """Check only that every field has its annotated type (`type_problems`); raise one
         `ConfigError` listing every one that does not."""
-        from arl.config.validate import type_problems
-
-        _raise(type_problems(self))
+        _raise(CHECKS["types"](self))
 
 
 def _raise(problems: list[str]) -> None:

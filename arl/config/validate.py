@@ -10,8 +10,10 @@ from typing import Any, Literal, Union, get_args, get_origin
 import attrs
 
 from arl.config.backend import parse_backend
-from arl.config.tree import Config, ConfigError, field_keys, get_key
-from arl.protocol.imports import ImportRefused, resolve_import, split_target, under_prefix
+from arl.config.errors import ConfigError
+from arl.config.rules import import_problem
+from arl.config.tree import CHECKS, Config, field_keys, get_key
+from arl.protocol.imports import resolve_import
 
 
 def _type_problem(value: Any, tp: Any) -> str:
@@ -284,30 +286,6 @@ def _workflow_rules(cfg: Config, check: Check) -> None:
     )
 
 
-def import_problem(target: str, prefixes: list[str] | tuple[str, ...]) -> str:
-    """Why ``target`` may not be used under ``prefixes`` ("" when it may), by the import rule
-    that nodes apply too (`arl.protocol.imports`). A module under a prefix is imported here,
-    so that an attribute walking out of it is refused before any node starts."""
-    try:
-        module, _ = split_target(target)
-    except ValueError:
-        return "must be an import path module:attribute (dotted identifiers)"
-    if not under_prefix(module, prefixes):
-        return (
-            f"module {module!r} is not under cluster.allowed_import_prefixes={list(prefixes)}; "
-            "add its prefix there (nodes and the launcher import only from those)"
-        )
-    try:
-        resolve_import(target, prefixes)
-    except ImportRefused as e:
-        return str(e).removeprefix(f"refusing to import {target!r}: ")
-    except AttributeError as e:  # raised by resolve_import, naming the missing step
-        return str(e).removeprefix(f"import string {target!r}: ")
-    except Exception as e:  # the module itself fails to import, or the name is missing
-        return f"cannot be imported: {type(e).__name__}: {e}"
-    return ""
-
-
 def show_value(value: Any, quote: bool = True) -> str:
     """A value as it would be written in an override (strings quoted when ``quote``)."""
     if value is None:
@@ -335,3 +313,6 @@ def type_name(tp: Any) -> str:
     if origin is dict:
         return "map"
     return getattr(tp, "__name__", str(tp))
+
+
+CHECKS.update(types=type_problems, values=validation_problems)  # what `Config.validate` runs

@@ -23,8 +23,6 @@ import attrs
 if TYPE_CHECKING:
     import torch
 
-    from arl.engines.spec import EngineSpec
-
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -107,9 +105,11 @@ class Engine(Protocol):
     version: int
 
     @classmethod
-    def from_spec(cls, spec: EngineSpec, **options: Any) -> Engine:
-        """A new, unstarted engine for a rollout node's `EngineSpec`; ``options`` are further
-        constructor arguments (`arl.engines.spec.build_engine` calls it)."""
+    def from_spec(cls, spec: Any, **options: Any) -> Engine:
+        """A new, unstarted engine for a rollout node's `arl.engines.spec.EngineSpec`; ``options``
+        are further constructor arguments (`arl.engines.spec.build_engine` calls it). ``spec`` is
+        typed in each engine: this module is the protocol that spec builds engines by, and does
+        not import it back."""
         ...
 
     async def start(self) -> None:

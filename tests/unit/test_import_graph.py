@@ -6,6 +6,9 @@ importing module. Each import becomes an edge between the top-level units of arl
 (``arl.weights``, ``arl.control``, ``arl.trainer``, ...); the graph of those units must have no
 cycle. A function-level import does not make a cycle harmless: it still means neither side can
 be understood, tested or moved without the other.
+
+The same holds between modules (issue 34): with every module of arl a node, and an import an edge
+to the module it names, there is no cycle either, inside a package or across packages.
 """
 
 from __future__ import annotations
@@ -21,24 +24,35 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _from_source(node: ast.ImportFrom, package: str) -> str:
+    """The module a ``from ... import`` reads from, a relative one made absolute."""
+    if not node.level:
+        return node.module or ""
+    parts = package.split(".")
+    base = parts[: len(parts) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def import_sites(text: str, module: str, is_package: bool = False) -> list[tuple[str, str, int]]:
+    """Every import in the source ``text`` of ``module`` as (the module it reads from, the name
+    it imports, its line): ``import m.n`` is (m.n, m.n), ``from m import x`` is (m, m.x), where
+    x may be a submodule of m or a name defined in it; relative imports made absolute."""
+    package = module if is_package else module.rpartition(".")[0]
+    sites: list[tuple[str, str, int]] = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            sites += [(a.name, a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            source = _from_source(node, package)
+            sites += [(source, f"{source}.{a.name}", node.lineno) for a in node.names]
+    return sites
+
+
 def imports_of(text: str, module: str, is_package: bool = False) -> set[str]:
     """Every module name the source ``text`` of ``module`` imports (for ``from m import x``,
     ``m.x`` too: x may be a submodule), relative imports made absolute."""
-    package = module if is_package else module.rpartition(".")[0]
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(text)):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = package.split(".")
-                base = parts[: len(parts) - (node.level - 1)]
-                source = ".".join(base + ([node.module] if node.module else []))
-            else:
-                source = node.module or ""
-            names.add(source)
-            names.update(f"{source}.{a.name}" for a in node.names)
-    return names
+    sites = import_sites(text, module, is_package)
+    return {source for source, _, _ in sites} | {name for _, name, _ in sites}
 
 
 def imported_names(path: Path) -> set[str]:
@@ -95,8 +109,7 @@ def find_cycle(graph: dict[str, dict[str, list[str]]]) -> list[str] | None:
     return None
 
 
-def test_the_import_graph_of_arls_packages_has_no_cycle():
-    graph = unit_graph()
+def _assert_no_cycle(graph: dict[str, dict[str, list[str]]], between: str) -> None:
     cycle = find_cycle(graph)
     if cycle is not None:
         hops = [
@@ -104,8 +117,81 @@ def test_the_import_graph_of_arls_packages_has_no_cycle():
             for a, b in zip(cycle, cycle[1:], strict=False)
         ]
         raise AssertionError(
-            "import cycle between arl's packages: " + " -> ".join(cycle) + "\n" + "\n".join(hops)
+            f"import cycle between {between}: " + " -> ".join(cycle) + "\n" + "\n".join(hops)
         )
+
+
+def test_the_import_graph_of_arls_packages_has_no_cycle():
+    _assert_no_cycle(unit_graph(), "arl's packages")
+
+
+def imported_module(name: str, modules: set[str]) -> str | None:
+    """The module of ``modules`` that importing ``name`` runs: the longest one that ``name``
+    starts with (``arl.config.tree.Config`` -> ``arl.config.tree``); None if none does."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        if (candidate := ".".join(parts[:n])) in modules:
+            return candidate
+    return None
+
+
+def module_edges(text: str, module: str, modules: set[str], is_package: bool = False):
+    """(module imported, line) for each import of ``module`` (source ``text``) that names one
+    of ``modules`` other than itself.
+
+    An import names the module it imports by its full name only: ``import arl.config.tree`` and
+    ``from arl.config import tree`` name ``arl.config.tree``, ``from arl.config import Config``
+    names ``arl.config`` (the package's ``__init__``). The packages above the module named are
+    not counted, although Python runs their ``__init__`` first: that is no dependency of the
+    importer on them, and counting it would make every package re-exporting its modules a cycle.
+    So a package's ``__init__`` may import its modules and they each other, but a module that
+    imports from its own package (``from arl.config import X`` in arl/config/tree.py) closes a
+    cycle through the ``__init__`` that imports it, as it does at run time (it may see the
+    package half initialised)."""
+    edges = []
+    for _, name, line in import_sites(text, module, is_package):
+        target = imported_module(name, modules)
+        if target is not None and target != module:
+            edges.append((target, line))
+    return edges
+
+
+def module_graph() -> dict[str, dict[str, list[str]]]:
+    """module -> {module of arl it imports: where, as ``file:line``} (`module_edges`)."""
+    paths = {_module_name(path): path for path in sorted(ARL.rglob("*.py"))}
+    graph: dict[str, dict[str, list[str]]] = {}
+    for module, path in paths.items():
+        rel = str(path.relative_to(ARL.parent))
+        text, is_package = path.read_text(), path.name == "__init__.py"
+        for target, line in module_edges(text, module, set(paths), is_package):
+            graph.setdefault(module, {}).setdefault(target, []).append(f"{rel}:{line}")
+    return graph
+
+
+def test_the_import_graph_of_arls_modules_has_no_cycle():
+    """Inside a package too: every import counts, as between packages."""
+    _assert_no_cycle(module_graph(), "arl's modules")
+
+
+def test_module_edges_name_the_module_imported_not_its_packages():
+    modules = {"arl", "arl.config", "arl.config.tree", "arl.config.rules"}
+    package = "from arl.config.tree import Config\nfrom . import rules\nimport yaml\n"
+    assert module_edges(package, "arl.config", modules, is_package=True) == [
+        ("arl.config.tree", 1),
+        ("arl.config.rules", 2),
+    ]
+    inside = (
+        "from arl.config import rules\n"  # the module, not the package's __init__
+        "from .rules import Range\n"
+        "def f():\n"
+        "    import arl.config.rules.registry\n"  # not a module here: the longest that is
+    )
+    assert {t for t, _ in module_edges(inside, "arl.config.tree", modules)} == {"arl.config.rules"}
+    via_package = "from arl.config import ConfigError\n"
+    assert module_edges(via_package, "arl.config.tree", modules) == [("arl.config", 1)]
+    graph = {"arl.config": {"arl.config.tree": ["arl/config/__init__.py:1"]}}
+    graph["arl.config.tree"] = {"arl.config": ["arl/config/tree.py:1"]}
+    assert find_cycle(graph) == ["arl.config", "arl.config.tree", "arl.config"]
 
 
 def test_the_cycle_finder_reports_the_path():
