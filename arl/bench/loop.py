@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import statistics
 import sys
@@ -102,6 +103,8 @@ async def run_loop(cfg: Config, profile_step: int, profile_dir: Path) -> dict:
         try:
             await trainer.setup()
             startup = time.monotonic() - t0
+            # The trace's clock (seconds since the tracer started) on the samples' clock.
+            trace_t0 = time.time() - (time.monotonic() - trainer.tracer.t0)
             if profile_step:
                 await trainer.ranks.arm_profile(profile_step, str(profile_dir))
             sampler = asyncio.ensure_future(_sample_engines(trainer.rollout.workers, samples))
@@ -115,7 +118,7 @@ async def run_loop(cfg: Config, profile_step: int, profile_dir: Path) -> dict:
             await trainer.ranks.write_profile()
         finally:
             await trainer.close()
-    return {"startup_s": startup, "samples": samples, "train_info": info}
+    return {"startup_s": startup, "samples": samples, "train_info": info, "trace_t0": trace_t0}
 
 
 async def _healths(trainer: Any) -> list[dict]:
@@ -141,7 +144,7 @@ def _engine_delta(samples: list, t_from: float, t_to: float) -> dict:
         return sum(float(h.get(key, 0) or 0) for h in s[1])
 
     d = {k: total(b, k) - total(a, k) for k in ("steps", "generated_tokens", "busy_s")}
-    d |= {k: total(b, k) - total(a, k) for k in ("prefills", "prefill_tokens")}
+    d |= {k: total(b, k) - total(a, k) for k in ("prefills", "prefill_tokens", "prefill_s")}
     n_engines = max(len(b[1]), 1)
     return {
         "wall_s": wall,
@@ -150,6 +153,7 @@ def _engine_delta(samples: list, t_from: float, t_to: float) -> dict:
         "decode_steps": d["steps"],
         "busy_share": d["busy_s"] / wall / n_engines,
         "busy_s": d["busy_s"],
+        "prefill_s": d["prefill_s"],
         "prefills": d["prefills"],
         "prefill_tokens": d["prefill_tokens"],
     }
@@ -239,6 +243,46 @@ def summarize(
     return out
 
 
+def decode_by_phase(samples: list, events: list[dict], trace_t0: float) -> dict:
+    """The engines' decode steps split by what the trainer did meanwhile: for each 0.25 s
+    window between engine samples that lies wholly inside the trainer's ``train`` spans
+    ("train": training shares the GPU) or wholly outside them ("other"), the counters' deltas,
+    summed per kind. Per kind: windows, decode steps, mean batch, ms per decode step with the
+    prefills taken out, and of that the ms spent waiting for the step's tokens on the host."""
+    from arl.stats.trace import spans
+
+    train = [
+        (x["start"] + trace_t0, x["end"] + trace_t0)
+        for x in spans(events)
+        if x["row"] == "trainer" and x["name"] == "train"
+    ]
+    keys = ("steps", "generated_tokens", "busy_s", "prefill_s", "sync_s")
+    sums = {kind: dict.fromkeys(("windows", *keys), 0.0) for kind in ("train", "other")}
+    for (ta, ha), (tb, hb) in itertools.pairwise(samples):
+        inside = sum(max(0.0, min(tb, e) - max(ta, s)) for s, e in train) / max(tb - ta, 1e-9)
+        kind = "train" if inside >= 0.95 else "other" if inside <= 0.05 else None
+        if kind is None:
+            continue
+        acc = sums[kind]
+        acc["windows"] += 1
+        for k in keys:
+            acc[k] += sum(float(h.get(k, 0) or 0) for h in hb) - sum(
+                float(h.get(k, 0) or 0) for h in ha
+            )
+    out = {}
+    for kind, acc in sums.items():
+        steps = max(acc["steps"], 1.0)
+        out[kind] = {
+            "windows": int(acc["windows"]),
+            "decode_steps": int(acc["steps"]),
+            "mean_batch": acc["generated_tokens"] / steps,
+            "decode_step_ms": 1e3 * (acc["busy_s"] - acc["prefill_s"]) / steps,
+            "sync_wait_ms": 1e3 * acc["sync_s"] / steps,
+            "prefill_ms_per_step": 1e3 * acc["prefill_s"] / steps,
+        }
+    return out
+
+
 def first_batch(rows: list[dict], samples: list, events: list[dict], batch_size: int) -> dict:
     """Where step 1's wait for its first batch went, in seconds from the start of step 1: the
     engines' first decoded token (from the 0.25 s engine samples), the first and the
@@ -325,6 +369,14 @@ def report(m: dict, floors: dict) -> str:
             else ""
         ),
     ]
+    for kind, b in r.get("by_phase", {}).items():
+        lines.append(
+            f"decode while {'training' if kind == 'train' else 'not training'}: "
+            f"{b['decode_steps']} steps in {b['windows']} windows of 0.25 s, mean batch "
+            f"{b['mean_batch']:.0f}, {b['decode_step_ms']:.2f} ms/step without prefills "
+            f"({b['sync_wait_ms']:.2f} ms of it waiting for the tokens), prefills "
+            f"{b['prefill_ms_per_step']:.2f} ms/step"
+        )
     if "profile" in m:
         p = m["profile"]
         lines.append(
@@ -412,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
 
         events = load_trace(trace)
         m["step1"] = first_batch(rows, run["samples"], events, cfg.data.batch_size)
+        late = [x for x in run["samples"] if x[0] >= rows[0]["time"]]
+        m["rollout"]["by_phase"] = decode_by_phase(late, events, run["trace_t0"])
     m["issue16"] = issue_figures(rows, m, Path(a.recipe).stem)
     m |= {
         "recipe": a.recipe,

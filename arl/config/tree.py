@@ -286,6 +286,12 @@ class RolloutConfig:
         "per-layer functions (about half the kernels per step; compiled on CUDA); other models, "
         "and false, decode through the model's own modules",
     )
+    hf_overlap: bool = _f(
+        True,
+        "hf engine on CUDA: launch each decode step before reading the previous one back, so "
+        "the host's per-token bookkeeping runs while the GPU computes (a row that finishes costs "
+        "one extra step); false reads every step back before the next",
+    )
     agent: str = _f(
         "",
         "agent function `async def run(client, data)`, module:attribute (used with "

@@ -148,6 +148,8 @@ def engine_options(cfg: Config, spec: EngineSpec, n_engines: int) -> dict:
         "decode_attention": cfg.rollout.hf_decode_attention,
         # None: fused where the model's family allows (False keeps the model's modules).
         "fused_decode": None if cfg.rollout.hf_fused_decode else False,
+        # None: overlapped where the device runs apart from the host (CUDA).
+        "overlap": None if cfg.rollout.hf_overlap else False,
     }
     if cfg.actor.lora.rank > 0:  # the trainer's adapters, served on the base
         options["lora"] = attrs.asdict(cfg.actor.lora)

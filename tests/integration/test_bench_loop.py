@@ -48,6 +48,8 @@ def test_loop_bench_writes_every_phase_beside_its_floor(tmp_path, tiny_model, ca
     r = m["rollout"]
     assert r["trained_gen_tokens_per_s"] > 0
     assert r["mean_decode_batch"] >= 1 and 0 < r["busy_share"] <= 1
+    assert 0 <= r["prefill_s"] <= r["busy_s"]
+    assert set(r["by_phase"]) == {"train", "other"}
     # Step 1's wait, taken apart: its batch is taken once its groups are done and the train
     # ranks warmed up; the engines were seen decoding by then (their counters are sampled every
     # 0.25 s, each sample an RPC, so "by" is late by up to a period and a loaded reply).
@@ -87,3 +89,38 @@ def test_a_run_folder_no_benchmark_wrote_is_refused_and_kept(tmp_path, capsys):
     assert bench([*argv, "experiment.trial=t0", "cluster.n_gpus=0"]) == 2
     assert "already holds files and no .arl-bench marker" in capsys.readouterr().err
     assert (mine / "notes.txt").read_text() == "mine"
+
+
+def test_decode_by_phase_splits_the_engine_counters_by_the_trainers_train_spans():
+    from arl.bench.loop import decode_by_phase
+
+    # The trainer trains from 1.0 to 2.0 s on the trace's clock, which starts at wall 100.
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "trainer"}},
+        {"ph": "X", "pid": 1, "tid": 1, "name": "train", "ts": 1.0e6, "dur": 1.0e6, "args": {}},
+    ]
+
+    def h(steps, busy, prefill, sync):
+        return {
+            "steps": steps,
+            "generated_tokens": 10 * steps,
+            "busy_s": busy,
+            "prefill_s": prefill,
+            "sync_s": sync,
+        }
+
+    samples = [  # wall time, one engine's cumulative counters
+        (100.5, [h(0, 0.0, 0.0, 0.0)]),
+        (100.75, [h(50, 0.2, 0.05, 0.1)]),  # 100.5-100.75: not training
+        (101.25, [h(60, 0.3, 0.05, 0.15)]),  # 100.75-101.25: half inside, so neither
+        (101.5, [h(70, 0.5, 0.1, 0.25)]),  # inside
+        (101.75, [h(80, 0.7, 0.1, 0.35)]),  # inside
+    ]
+    by = decode_by_phase(samples, events, trace_t0=100.0)
+    assert by["other"]["windows"] == 1 and by["other"]["decode_steps"] == 50
+    assert by["other"]["decode_step_ms"] == pytest.approx(1e3 * 0.15 / 50)
+    assert by["other"]["prefill_ms_per_step"] == pytest.approx(1e3 * 0.05 / 50)
+    assert by["train"]["windows"] == 2 and by["train"]["decode_steps"] == 20
+    assert by["train"]["decode_step_ms"] == pytest.approx(1e3 * 0.35 / 20)
+    assert by["train"]["sync_wait_ms"] == pytest.approx(1e3 * 0.2 / 20)
+    assert by["train"]["mean_batch"] == pytest.approx(10)

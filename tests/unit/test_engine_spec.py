@@ -169,4 +169,9 @@ def test_an_in_process_engine_is_sized_for_the_run_and_a_server_sizes_itself():
     short = engine_options(apply_overrides(Config(), ["gconfig.max_new_tokens=8"]), hf, 1)
     assert short["max_seq_len"] == 2048 and short["warm_up_len"] == 512 + 8 + 1
     assert "lora" not in short
+    assert one["overlap"] is None and one["fused_decode"] is None  # each where the device allows
+    off = apply_overrides(Config(), ["rollout.hf_overlap=false", "rollout.hf_fused_decode=false"])
+    assert (
+        engine_options(off, hf, 1)["overlap"] is engine_options(off, hf, 1)["fused_decode"] is False
+    )
     assert engine_options(cfg, EngineSpec(name="vllm", model_path="/m"), 1) == {}

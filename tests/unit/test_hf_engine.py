@@ -22,6 +22,10 @@ from arl.engines.hf.attention import cache_kwarg
 
 torch.set_num_threads(1)
 
+# The decode loop with and without overlap (each step launched before the one before it is read
+# back): the same tokens, finish reasons, pauses and cancellations either way.
+OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+
 PROMPTS = [[5, 6, 7], [3, 1, 4, 1, 5], [10, 20, 30, 40], [7, 7, 7], [11, 12], [42], [9] * 9]
 PROMPTS += [[100 + i for i in range(13)], [200, 3, 200, 3, 17, 18]]
 
@@ -78,8 +82,9 @@ def test_engine_satisfies_protocol(tiny: tuple[str, LlamaForCausalLM]) -> None:
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
+@OVERLAP
 def test_logprobs_match_teacher_forced_pass(
-    tiny: tuple[str, LlamaForCausalLM], temperature: float
+    overlap: bool, tiny: tuple[str, LlamaForCausalLM], temperature: float
 ) -> None:
     path, model = tiny
     # Some rows truncate with top-p/top-k: their log-probs are still the untruncated ones.
@@ -99,7 +104,7 @@ def test_logprobs_match_teacher_forced_pass(
             tasks.append(asyncio.ensure_future(engine.agenerate(prompt, sp)))
         return await asyncio.gather(*tasks)
 
-    with HFEngine(path, seed=3) as engine:
+    with HFEngine(path, overlap=overlap, seed=3) as engine:
         results = asyncio.run(run(engine))
     for prompt, res in zip(PROMPTS, results, strict=True):
         assert res.output_ids and len(res.logprobs) == len(res.output_ids)
@@ -108,7 +113,10 @@ def test_logprobs_match_teacher_forced_pass(
         torch.testing.assert_close(res.logprobs, expected, atol=1e-4, rtol=0)
 
 
-def test_concurrent_greedy_equals_one_at_a_time(tiny: tuple[str, LlamaForCausalLM]) -> None:
+@OVERLAP
+def test_concurrent_greedy_equals_one_at_a_time(
+    overlap: bool, tiny: tuple[str, LlamaForCausalLM]
+) -> None:
     path, model = tiny
     sp = SamplingParams(max_new_tokens=24, greedy=True)
 
@@ -122,7 +130,8 @@ def test_concurrent_greedy_equals_one_at_a_time(tiny: tuple[str, LlamaForCausalL
     async def sequential(engine: HFEngine) -> list:
         return [await engine.agenerate(prompt, sp) for prompt in PROMPTS]
 
-    with HFEngine(path, max_batch_size=4) as engine:  # also exercises queueing beyond the batch
+    # max_batch_size=4 also exercises queueing beyond the batch
+    with HFEngine(path, overlap=overlap, max_batch_size=4) as engine:
         together = asyncio.run(concurrent(engine))
         alone = asyncio.run(sequential(engine))
     for prompt, a, b in zip(PROMPTS, together, alone, strict=True):
@@ -169,8 +178,9 @@ def test_a_groups_shared_prompt_is_prefilled_once(
     assert len({tuple(r.output_ids) for r in draws}) > 1
 
 
+@OVERLAP
 def test_stop_tokens_max_new_tokens_and_finish_reasons(
-    tiny: tuple[str, LlamaForCausalLM], tmp_path: Path
+    overlap: bool, tiny: tuple[str, LlamaForCausalLM], tmp_path: Path
 ) -> None:
     path, _ = tiny
     prompt = PROMPTS[0]
@@ -178,7 +188,7 @@ def test_stop_tokens_max_new_tokens_and_finish_reasons(
     async def run(engine: HFEngine, sp: SamplingParams):
         return await engine.agenerate(prompt, sp)
 
-    with HFEngine(path, max_seq_len=12) as engine:
+    with HFEngine(path, overlap=overlap, max_seq_len=12) as engine:
         ref = asyncio.run(run(engine, SamplingParams(max_new_tokens=9, greedy=True)))
         assert (len(ref.output_ids), ref.finish_reason) == (9, "length")
         stop_tok = ref.output_ids[4]
@@ -197,7 +207,7 @@ def test_stop_tokens_max_new_tokens_and_finish_reasons(
     # The model's own eos ids (generation_config) stop generation by default.
     eos_dir = tmp_path / "eos_model"
     save_model(eos_dir, seed=0, eos=[255, ref.output_ids[2]])
-    with HFEngine(str(eos_dir)) as engine:
+    with HFEngine(str(eos_dir), overlap=overlap) as engine:
         res = asyncio.run(run(engine, SamplingParams(max_new_tokens=9, greedy=True)))
     assert res.output_ids == ref.output_ids[: ref.output_ids.index(ref.output_ids[2]) + 1]
     assert res.finish_reason == "stop"
@@ -230,7 +240,9 @@ def test_sampling_is_reproducible_with_seed(tiny: tuple[str, LlamaForCausalLM]) 
     assert sample(5) != sample(6)
 
 
+@OVERLAP
 def test_pause_interrupts_and_resume_continues_under_new_version(
+    overlap: bool,
     tiny: tuple[str, LlamaForCausalLM],
 ) -> None:
     prompt, other = PROMPTS[0], PROMPTS[3]
@@ -263,7 +275,7 @@ def test_pause_interrupts_and_resume_continues_under_new_version(
         assert res.versions == [0] * switch + [1] * (len(res.versions) - switch)
         assert again.output_ids == ref_other.output_ids and set(again.versions) == {1}
 
-    with HFEngine(tiny[0]) as engine:
+    with HFEngine(tiny[0], overlap=overlap) as engine:
         asyncio.run(run(engine))
 
 
@@ -282,8 +294,9 @@ def continued_from_old_cache(
     return chosen.tolist(), logp.argmax(dim=-1).tolist()
 
 
+@OVERLAP
 def test_pause_in_place_keeps_rows_and_their_cache_across_a_weight_update(
-    tiny: tuple[str, LlamaForCausalLM], tmp_path: Path
+    overlap: bool, tiny: tuple[str, LlamaForCausalLM], tmp_path: Path
 ) -> None:
     path, model = tiny
     new_model = save_model(tmp_path / "v1", seed=7)
@@ -323,11 +336,13 @@ def test_pause_in_place_keeps_rows_and_their_cache_across_a_weight_update(
             assert res.output_ids[switch:] == argmax
             assert res.logprobs[switch:] == pytest.approx(logprobs, abs=1e-4)
 
-    with HFEngine(path) as engine:
+    with HFEngine(path, overlap=overlap) as engine:
         asyncio.run(run(engine))
 
 
+@OVERLAP
 def test_cancel_while_paused_in_place_frees_the_row_and_stays_parked(
+    overlap: bool,
     tiny: tuple[str, LlamaForCausalLM],
 ) -> None:
     async def run(engine: HFEngine) -> None:
@@ -351,11 +366,13 @@ def test_cancel_while_paused_in_place_frees_the_row_and_stays_parked(
         assert res.finish_reason in ("stop", "length") and set(res.versions) == {0}
         assert (await engine.health())["running"] == 0
 
-    with HFEngine(tiny[0]) as engine:
+    with HFEngine(tiny[0], overlap=overlap) as engine:
         asyncio.run(run(engine))
 
 
+@OVERLAP
 def test_an_abort_pause_aborts_rows_kept_by_an_in_place_one(
+    overlap: bool,
     tiny: tuple[str, LlamaForCausalLM],
 ) -> None:
     async def run(engine: HFEngine) -> None:
@@ -371,14 +388,16 @@ def test_an_abort_pause_aborts_rows_kept_by_an_in_place_one(
         assert engine.update_weights([]) == 0  # parked again
         await engine.resume()
 
-    with HFEngine(tiny[0]) as engine:
+    with HFEngine(tiny[0], overlap=overlap) as engine:
         asyncio.run(run(engine))
 
 
+@OVERLAP
 def test_close_while_paused_in_place_fails_the_kept_requests(
+    overlap: bool,
     tiny: tuple[str, LlamaForCausalLM],
 ) -> None:
-    engine = HFEngine(tiny[0])
+    engine = HFEngine(tiny[0], overlap=overlap)
 
     async def run() -> None:
         kept = asyncio.ensure_future(engine.agenerate(PROMPTS[0], SamplingParams(1500)))
@@ -394,7 +413,8 @@ def test_close_while_paused_in_place_fails_the_kept_requests(
     assert engine._thread is not None and not engine._thread.is_alive()
 
 
-def test_cancelled_request_frees_its_row(tiny: tuple[str, LlamaForCausalLM]) -> None:
+@OVERLAP
+def test_cancelled_request_frees_its_row(overlap: bool, tiny: tuple[str, LlamaForCausalLM]) -> None:
     async def run(engine: HFEngine) -> None:
         task = asyncio.ensure_future(engine.agenerate(PROMPTS[0], SamplingParams(1500)))
         await wait_for(engine, "running", 1)
@@ -407,12 +427,13 @@ def test_cancelled_request_frees_its_row(tiny: tuple[str, LlamaForCausalLM]) -> 
             await asyncio.sleep(0.001)
         assert (await engine.health())["running"] == 0
 
-    with HFEngine(tiny[0]) as engine:
+    with HFEngine(tiny[0], overlap=overlap) as engine:
         asyncio.run(run(engine))
 
 
+@OVERLAP
 def test_update_weights_only_while_paused_and_checksum(
-    tiny: tuple[str, LlamaForCausalLM], tmp_path: Path
+    overlap: bool, tiny: tuple[str, LlamaForCausalLM], tmp_path: Path
 ) -> None:
     path, model = tiny
     new_model = save_model(tmp_path / "v1", seed=7)
@@ -441,7 +462,7 @@ def test_update_weights_only_while_paused_and_checksum(
         await engine.resume()
         assert await engine.weights_checksum() == before
 
-    with HFEngine(path) as engine:
+    with HFEngine(path, overlap=overlap) as engine:
         with pytest.raises(EngineNotPausedError):  # not paused, even before the thread starts
             engine.update_weights(source)
         asyncio.run(run(engine))

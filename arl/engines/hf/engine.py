@@ -51,6 +51,7 @@ from arl.engines.hf.graphs import (
 )
 from arl.engines.hf.kv_cache import SlotKVCache
 from arl.engines.hf.request import Request, deliver, settle
+from arl.engines.hf.steps import Launched, StepOutputs, upload
 from arl.engines.hf.weights import checksum_named_tensors, is_adapter_folder, iter_weights_folder
 from arl.engines.lora import add_lora, is_lora_name, lora_enabled, lora_tensors
 
@@ -121,6 +122,7 @@ class HFEngine:
         decode_attention: str = "auto",
         lora: dict | None = None,
         fused_decode: bool | None = None,
+        overlap: bool | None = None,
     ) -> None:
         if max_batch_size < 1 or max_seq_len < 2 or max_prefill_tokens < 1:
             raise ValueError(
@@ -161,6 +163,9 @@ class HFEngine:
         # An eager prefill costs about one eager decode step of host time: with graphs, admitting
         # newcomers on every step would make every step that slow.
         self.prefill_interval = prefill_interval or (16 if self.cuda_graphs else 1)
+        # Launch each decode step before reading the previous one back (steps.py); on by
+        # default where the device runs asynchronously to the host (CUDA).
+        self.overlap = on_cuda if overlap is None else overlap
 
         # Flex is compiled on CUDA unless compile_blocks=False, and on CPU with compile_blocks=True
         # (its C++ kernel skips blocks too); else it runs torch's unfused reference. ``auto``
@@ -247,6 +252,8 @@ class HFEngine:
         )
         self._gen = torch.Generator(device=dev)
         self._gen.manual_seed(seed)
+        self._outputs = StepOutputs(dev, b)
+        self._inflight: Launched | None = None  # with overlap: the step not yet read back
 
         self._cv = threading.Condition()  # guards the fields below; held only briefly
         self._model_lock = threading.Lock()  # held by a forward step or a weight update
@@ -265,6 +272,8 @@ class HFEngine:
         self._steps = 0
         self._generated_tokens = 0
         self._busy_s = 0.0
+        self._prefill_s = 0.0  # of busy_s: admitting newcomers (their prefill)
+        self._sync_s = 0.0  # of busy_s: each decode step's wait for its tokens on the host
         self._prefills = 0
         self._prefill_tokens = 0
         self._last_admit_step = 0
@@ -362,6 +371,8 @@ class HFEngine:
                 "warm_up_s": self.warm_up_s,
                 "generated_tokens": self._generated_tokens,
                 "busy_s": self._busy_s,
+                "prefill_s": self._prefill_s,
+                "sync_s": self._sync_s,
                 "prefills": self._prefills,
                 "prefill_tokens": self._prefill_tokens,
                 "last_error": self._last_error,
@@ -731,7 +742,12 @@ class HFEngine:
     def _serve(self) -> None:
         while True:
             with self._cv:
-                while not self._stopping and not self._has_work_locked():
+                # A step in flight is read back before the thread waits, parks, aborts or
+                # stops: a paused engine has no forward running and every token delivered.
+                drain = self._inflight is not None and (
+                    self._stopping or self._paused or not self._has_work_locked()
+                )
+                while not drain and not self._stopping and not self._has_work_locked():
                     if self._paused:
                         # Parked, no forward runs: rows kept in place are freed here when their
                         # callers cancel, without unparking (a weight update may be running).
@@ -748,11 +764,21 @@ class HFEngine:
                             self._parked = True
                             self._release_pause_waiters_locked()
                     self._cv.wait()
-                if self._stopping:
-                    return
-                self._parked = False
-                paused = self._paused
-                newcomers = [] if paused else self._take_pending_locked()
+                if not drain:
+                    if self._stopping:
+                        return
+                    self._parked = False
+                    paused = self._paused
+                    newcomers = [] if paused else self._take_pending_locked()
+            if drain:
+                t0 = time.perf_counter()
+                try:
+                    with self._model_lock:
+                        self._finish_step(self._take_inflight())
+                except Exception as exc:
+                    self._fail_step(exc, [])
+                self._busy_s += time.perf_counter() - t0
+                continue
             if paused:
                 self._abort_rows()
                 continue
@@ -762,6 +788,7 @@ class HFEngine:
                 with self._model_lock:
                     if newcomers:
                         self._admit(newcomers)
+                        self._prefill_s += time.perf_counter() - t0
                     if self._rows:
                         self._decode_step()
             except Exception as exc:
@@ -802,7 +829,9 @@ class HFEngine:
     def _fail_step(self, exc: Exception, newcomers: list[Request]) -> None:
         logger.exception("hf engine step failed; failing the requests in it")
         self._last_error = repr(exc)
-        failed = {id(r): r for r in self._rows + newcomers}
+        inflight = self._take_inflight()
+        stepping = [r for r in inflight.rows if not r.done] if inflight is not None else []
+        failed = {id(r): r for r in self._rows + newcomers + stepping}
         self._rows = []  # the cache rows may be half-written: start from an empty batch
         err = EngineStepError(f"generation step failed: {exc!r}")
         err.__cause__ = exc
@@ -857,7 +886,7 @@ class HFEngine:
             ids = torch.zeros((with_prefix, width), dtype=torch.long)
             for i, req in enumerate(chunk[:with_prefix]):
                 ids[i, : lengths[i]] = torch.tensor(req.prompt[:-1])
-            lens = torch.tensor(lengths[:with_prefix], device=dev)
+            lens = upload(lengths[:with_prefix], torch.long, dev)
             cols = self._kv_arange[:width]
             # Row r, query i may see key j when j <= i (causal) and j < len_r (not padding);
             # padded queries still see key 0, so no row of the mask is empty.
@@ -867,7 +896,7 @@ class HFEngine:
             mask = self._additive_mask(allowed)[:, None]
             self._cache.begin_prefill(row0, with_prefix, width)
             self._model(
-                input_ids=ids.to(dev),
+                input_ids=upload(ids, torch.long, dev),
                 attention_mask=mask,
                 position_ids=cols[None, :].expand(with_prefix, width),
                 use_cache=True,
@@ -876,17 +905,18 @@ class HFEngine:
             )
         if copies:
             dst = torch.arange(len(copies), device=dev) + row0 + with_prefix
-            src = torch.tensor([row0 + i for _, i in copies], device=dev)
+            src = upload([row0 + i for _, i in copies], torch.long, dev)
             self._cache.move_rows(dst, src, max(len(r.prompt) - 1 for r, _ in copies))
         sl = slice(row0, row0 + len(chunk))
-        self._next_tok[sl] = torch.tensor([r.prompt[-1] for r in chunk], device=dev)
-        self._pos[sl] = torch.tensor(lengths, device=dev)
-        self._temp[sl] = torch.tensor([r.temperature for r in chunk], device=dev)
+        self._next_tok[sl] = upload([r.prompt[-1] for r in chunk], torch.long, dev)
+        self._pos[sl] = upload(lengths, torch.long, dev)
+        self._temp[sl] = upload([r.temperature for r in chunk], torch.float32, dev)
         # top_p >= 1 keeps every token: 2.0 guards against the cumulative sum rounding above 1.
-        self._top_p[sl] = torch.tensor([r.top_p if r.top_p < 1 else 2.0 for r in chunk], device=dev)
+        top_p = [r.top_p if r.top_p < 1 else 2.0 for r in chunk]
+        self._top_p[sl] = upload(top_p, torch.float32, dev)
         top_k = [r.top_k if 0 < r.top_k < self._n_logits else self._n_logits for r in chunk]
-        self._top_k[sl] = torch.tensor(top_k, device=dev)
-        self._greedy[sl] = torch.tensor([r.greedy for r in chunk], device=dev)
+        self._top_k[sl] = upload(top_k, torch.long, dev)
+        self._greedy[sl] = upload([r.greedy for r in chunk], torch.bool, dev)
         for req, length in zip(chunk, lengths, strict=True):
             req.pos = length
         self._rows.extend(chunk)
@@ -897,7 +927,22 @@ class HFEngine:
         return zero.masked_fill(~allowed, torch.finfo(self.dtype).min)
 
     def _decode_step(self) -> None:
-        rows = self._rows
+        """Launch a step for the running rows; read back the step before it (with overlap) or
+        this one (without)."""
+        launched = self._launch_step()
+        if self.overlap:
+            previous, self._inflight = self._inflight, launched
+            if previous is not None:
+                self._finish_step(previous)
+        else:
+            self._finish_step(launched)
+
+    def _take_inflight(self) -> Launched | None:
+        inflight, self._inflight = self._inflight, None
+        return inflight
+
+    def _launch_step(self) -> Launched:
+        rows = list(self._rows)  # this step's rows in their order now; compaction moves them
         n = len(rows)
         kv_len = max(r.pos for r in rows) + 1
         if self.cuda_graphs:
@@ -910,27 +955,39 @@ class HFEngine:
         tokens, logprobs = self._sample(logits, rows)
         self._next_tok[:n] = tokens
         self._pos[:n] += 1
-        # One device-to-host transfer per step: the ids are exact in float64.
-        host = torch.stack([tokens.double(), logprobs.double()]).cpu().tolist()
-        version = self.version
-        finished: list[tuple[int, FinishReason]] = []
-        for i, (req, tok, lp) in enumerate(zip(rows, host[0], host[1], strict=True)):
+        for req in rows:
+            req.pos += 1
+        return self._outputs.launch(rows, tokens, logprobs, self.version)
+
+    def _finish_step(self, step: Launched | None) -> None:
+        """Append a launched step's tokens to its requests; answer and free the finished."""
+        if step is None:
+            return
+        host, waited = self._outputs.wait(step)
+        self._sync_s += waited
+        finished: list[tuple[Request, FinishReason]] = []
+        generated = 0
+        for req, tok, lp in zip(step.rows, host[0], host[1], strict=True):
+            if req.done or req.cancelled:  # answered or dropped after this step was launched
+                continue
             tok = int(tok)
             req.out.append(tok)
             req.logprobs.append(lp)
-            req.versions.append(version)
-            req.pos += 1
+            req.versions.append(step.version)
+            generated += 1
             if tok in req.stop:
-                finished.append((i, "stop"))
-            elif len(req.out) >= req.max_new or req.pos + 1 >= self.max_seq_len:
-                finished.append((i, "length"))
+                finished.append((req, "stop"))
+            elif len(req.out) >= req.max_new or len(req.prompt) + len(req.out) >= self.max_seq_len:
+                finished.append((req, "length"))
         self._steps += 1
-        self._generated_tokens += n
+        self._generated_tokens += generated
         if finished:
-            done = [(rows[i], reason) for i, reason in finished]
+            where = {id(req): i for i, req in enumerate(self._rows)}
+            for req, _ in finished:
+                req.done = True
             # Free the rows before answering, so a caller never sees its request still running.
-            self._remove_rows([i for i, _ in finished])
-            for req, reason in done:
+            self._remove_rows([where[id(req)] for req, _ in finished])
+            for req, reason in finished:
                 deliver(req, req.result(reason))
 
     def _forward_decode(self, rows: int, kv_len: int) -> torch.Tensor:
@@ -1065,8 +1122,8 @@ class HFEngine:
         holes = [i for i in sorted(dead_set) if i < keep]
         movers = [i for i in range(keep, len(rows)) if i not in dead_set]
         if holes:
-            dst = torch.tensor(holes, device=self.device)
-            src = torch.tensor(movers, device=self.device)
+            dst = upload(holes, torch.long, self.device)
+            src = upload(movers, torch.long, self.device)
             self._cache.move_rows(dst, src, max(rows[i].pos for i in movers) + 1)
             for state in self._row_state:
                 state[dst] = state[src]

@@ -24,8 +24,9 @@ class Request:
     out: list[int] = attrs.field(factory=list)
     logprobs: list[float] = attrs.field(factory=list)
     versions: list[int] = attrs.field(factory=list)
-    pos: int = 0  # tokens held in this request's cache row
+    pos: int = 0  # tokens held in this request's cache row, counting a step in flight
     cancelled: bool = False
+    done: bool = False  # answered: a step launched before that was known is not read back
 
     def result(self, reason: FinishReason) -> GenerationResult:
         return GenerationResult(self.out, self.logprobs, self.versions, reason)
