@@ -48,8 +48,10 @@ class StepOutputs:
         self.device = device
         self._turn = 0
         if device.type == "cuda":
+            # Flat, so that a step's [2, rows] view is contiguous: a copy into a strided host
+            # view goes through a pageable temporary, which blocks.
             self._bufs = [
-                torch.empty((2, max_rows), dtype=torch.float64, pin_memory=True) for _ in range(2)
+                torch.empty(2 * max_rows, dtype=torch.float64, pin_memory=True) for _ in range(2)
             ]
             self._events = [torch.cuda.Event() for _ in range(2)]
 
@@ -61,7 +63,7 @@ class StepOutputs:
         if self.device.type != "cuda":
             return Launched(rows, both, None, version)
         i, self._turn = self._turn, 1 - self._turn
-        out = self._bufs[i][:, : len(rows)]
+        out = self._bufs[i][: 2 * len(rows)].view(2, len(rows))
         out.copy_(both, non_blocking=True)
         self._events[i].record()
         return Launched(rows, out, self._events[i], version)
