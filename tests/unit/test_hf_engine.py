@@ -323,7 +323,13 @@ def test_pause_in_place_keeps_rows_and_their_cache_across_a_weight_update(
         assert after["prefills"] == health["prefills"]  # continued from the cache: no re-prefill
         assert after["pause_mode"] is None and after["held"] == 0
         for prompt, ref, res in zip(prompts, refs, results, strict=True):
-            assert res.finish_reason != "abort" and len(res.output_ids) == len(ref.output_ids)
+            # The new weights may reach the eos (2) before the length limit, depending on the
+            # step the pause landed on; the tokens are checked against the new model below.
+            if res.finish_reason == "stop":
+                assert res.output_ids[-1] == 2 and len(res.output_ids) <= len(ref.output_ids)
+            else:
+                assert res.finish_reason == "length"
+                assert len(res.output_ids) == len(ref.output_ids)
             switch = res.versions.index(1)
             assert 0 < switch < len(res.versions)
             assert res.versions == [0] * switch + [1] * (len(res.versions) - switch)
