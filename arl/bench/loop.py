@@ -132,6 +132,11 @@ def _model_params(path: str) -> int:
     return model_bytes(resolve_model(path))[0] // 2
 
 
+def _total(healths: list[dict], key: str) -> float:
+    """One engine counter of a sample, summed over the engines."""
+    return sum(float(h.get(key, 0) or 0) for h in healths)
+
+
 def _engine_delta(samples: list, t_from: float, t_to: float) -> dict:
     """Engine counters between the samples nearest ``t_from`` and ``t_to``, summed over engines."""
     if len(samples) < 2:
@@ -139,12 +144,8 @@ def _engine_delta(samples: list, t_from: float, t_to: float) -> dict:
     a = min(samples, key=lambda s: abs(s[0] - t_from))
     b = min(samples, key=lambda s: abs(s[0] - t_to))
     wall = max(b[0] - a[0], 1e-9)
-
-    def total(s: tuple, key: str) -> float:
-        return sum(float(h.get(key, 0) or 0) for h in s[1])
-
-    d = {k: total(b, k) - total(a, k) for k in ("steps", "generated_tokens", "busy_s")}
-    d |= {k: total(b, k) - total(a, k) for k in ("prefills", "prefill_tokens", "prefill_s")}
+    keys = ("steps", "generated_tokens", "busy_s", "prefills", "prefill_tokens", "prefill_s")
+    d = {k: _total(b[1], k) - _total(a[1], k) for k in keys}
     n_engines = max(len(b[1]), 1)
     return {
         "wall_s": wall,
@@ -266,9 +267,7 @@ def decode_by_phase(samples: list, events: list[dict], trace_t0: float) -> dict:
         acc = sums[kind]
         acc["windows"] += 1
         for k in keys:
-            acc[k] += sum(float(h.get(k, 0) or 0) for h in hb) - sum(
-                float(h.get(k, 0) or 0) for h in ha
-            )
+            acc[k] += _total(hb, k) - _total(ha, k)
     out = {}
     for kind, acc in sums.items():
         steps = max(acc["steps"], 1.0)
