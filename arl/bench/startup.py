@@ -40,12 +40,30 @@ _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
 _NUM = r"([0-9.]+)"
 # (phase, pattern): the line's time gives the phase's end since launch; groups give seconds.
 _LINES = {
+    "config_saved": re.compile(r"resolved config saved to"),
     "nodes_joined": re.compile(r"node \S+ joined"),
+    "rollout_setup": re.compile(
+        rf"rollout setup in {_NUM} s \(imports {_NUM} s, reward and workflow {_NUM} s, "
+        rf"tokenizer {_NUM} s, engine {_NUM} s\)"
+    ),
     "engine_ready": re.compile(
         rf"hf engine ready in {_NUM} s \(load {_NUM} s, compile {_NUM} s, graphs {_NUM} s\)"
     ),
-    "train_ready": re.compile(rf"rank 0: ready in {_NUM} s \(load {_NUM} s, prime {_NUM} s\)"),
+    "train_created": re.compile(
+        rf"node train0: created \S+ \(\S+\) in {_NUM} s \(import {_NUM} s\)"
+    ),
+    "train_ready": re.compile(
+        rf"rank 0: ready in {_NUM} s \(load {_NUM} s, prime {_NUM} s(?:; process group {_NUM} s)?\)"
+    ),
     "train_warm_up": re.compile(rf"rank 0: warmed up \(compile=\w+\) in {_NUM} s"),
+}
+# The seconds each line reports, by name, in the order of its groups.
+_KEYS = {
+    "rollout_setup": ("took_s", "imports_s", "reward_s", "tokenizer_s", "engine_s"),
+    "engine_ready": ("took_s", "load_s", "compile_s", "graphs_s"),
+    "train_created": ("took_s", "import_s"),
+    "train_ready": ("took_s", "load_s", "prime_s", "group_s"),
+    "train_warm_up": ("took_s",),
 }
 
 _FLOOR_LOAD = """
@@ -81,13 +99,9 @@ def read_phases(log: str, t_launch: float) -> dict:
             if m is None or t is None or (name in out and name != "nodes_joined"):
                 continue
             entry = {"at_s": round(t - t_launch, 3)}
-            nums = [float(g) for g in m.groups()]
-            if name == "engine_ready":
-                entry |= dict(zip(("took_s", "load_s", "compile_s", "graphs_s"), nums, strict=True))
-            elif name == "train_ready":
-                entry |= dict(zip(("took_s", "load_s", "prime_s"), nums, strict=True))
-            elif name == "train_warm_up":
-                entry["took_s"] = nums[0]
+            for key, g in zip(_KEYS.get(name, ()), m.groups(), strict=True):
+                if g is not None:  # an optional group the line did not have
+                    entry[key] = float(g)
             out[name] = entry
     return out
 
@@ -130,12 +144,18 @@ def _fmt(x: float | None) -> str:
 
 # (row label, phase in the log, its key) of the table, in start-up order.
 _TABLE = [
+    ("launcher: config checked, nodes start, since launch", "config_saved", "at_s"),
     ("nodes joined, since launch", "nodes_joined", "at_s"),
+    ("rollout setup: imports (transformers' tokenizer)", "rollout_setup", "imports_s"),
+    ("rollout setup: reward and workflow", "rollout_setup", "reward_s"),
+    ("rollout setup: tokenizer", "rollout_setup", "tokenizer_s"),
     ("engine: load (transformers' model imports included)", "engine_ready", "load_s"),
     ("engine: compile (norm/MLP blocks, flex)", "engine_ready", "compile_s"),
     ("engine: decode graphs (warm-up)", "engine_ready", "graphs_s"),
     ("engine ready, since launch", "engine_ready", "at_s"),
+    ("train rank 0: worker import", "train_created", "import_s"),
     ("train rank 0: load", "train_ready", "load_s"),
+    ("train rank 0: of it, process group", "train_ready", "group_s"),
     ("train rank 0: prime (compile)", "train_ready", "prime_s"),
     ("train rank 0 ready, since launch", "train_ready", "at_s"),
     ("train rank 0: warm-up (during step 1)", "train_warm_up", "took_s"),

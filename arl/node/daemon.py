@@ -425,11 +425,13 @@ class NodeDaemon:
             raise ValueError(f"object {name!r} already exists on node {self.node_id}")
         kwargs = {**kwargs, **self._hosted(target, hosted or {})}
         loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
         # Importing (torch, transformers) can take seconds: off the loop, so heartbeats go on.
         resolve_import(target, self.allowed_prefixes, import_now=False)  # refuse before import
         factory = await loop.run_in_executor(
             self.engine_thread, resolve_import, target, self.allowed_prefixes
         )
+        t_import = time.perf_counter() - t0
         args, kwargs = await self._materialize(args, kwargs)
         if isinstance(factory, type) and issubclass(factory, UsesNode):
             if "node" in kwargs:
@@ -440,6 +442,14 @@ class NodeDaemon:
         else:
             obj = await loop.run_in_executor(self.engine_thread, lambda: factory(*args, **kwargs))
         self.objects[name] = obj
+        log.info(
+            "node %s: created %s (%s) in %.1f s (import %.1f s)",
+            self.node_id,
+            name,
+            target,
+            time.perf_counter() - t0,
+            t_import,
+        )
         # Importing torch leaves ~10^5 long-lived objects that every full collection walks,
         # stalling this loop (and its heartbeats and pause calls) for 0.3-0.6 s; keep them out
         # of the collector's way.

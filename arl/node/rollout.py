@@ -129,8 +129,10 @@ class RolloutWorker(UsesNode):
         def load() -> tuple:
             # Imports (transformers, torch) and model loading take seconds: never on the loop,
             # or the node's heartbeats stall and the controller declares it lost.
+            t = [time.perf_counter()]  # each phase's end, for the log line below
             from transformers import AutoTokenizer
 
+            t.append(time.perf_counter())
             reward_fn = as_async_reward(
                 resolve_import(self.reward_target, prefixes), self.reward_target
             )
@@ -146,8 +148,18 @@ class RolloutWorker(UsesNode):
             workflow_cls = resolve_import(self.workflow_target, prefixes)
             if self.agent_target:  # the agent workflow's `run(client, data)`
                 self.workflow_kwargs["agent"] = resolve_import(self.agent_target, prefixes)
+            t.append(time.perf_counter())
             tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            t.append(time.perf_counter())
             engine = build_engine(self.engine_spec, **self.engine_options)  # hf loads here
+            t.append(time.perf_counter())
+            # One line that `python -m arl.bench startup` reads back from the run's log.
+            log.info(
+                "rollout setup in %.1f s (imports %.1f s, reward and workflow %.1f s, "
+                "tokenizer %.1f s, engine %.1f s)",
+                t[-1] - t[0],
+                *(b - a for a, b in zip(t, t[1:], strict=False)),
+            )
             return engine, reward_fn, workflow_cls, tokenizer
 
         self.engine, reward_fn, workflow_cls, tokenizer = await loop.run_in_executor(None, load)

@@ -125,6 +125,7 @@ class FSDPEngine:
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size)
         torch.manual_seed(seed)
         self.mesh = init_device_mesh(self.device.type, (world_size,))
+        group_s = time.perf_counter() - t_start  # of load_s: the process group and its mesh
         self.compute_dtype = compute_dtype(cfg, self.device)
         self.layout: Layout = resolve_layout(cfg.layout, self.device)
         varlen = self.layout == "packed" and varlen_available(self.device)
@@ -196,11 +197,12 @@ class FSDPEngine:
         self.prime()
         # One line per rank that `python -m arl.bench startup` reads back from the run's log.
         log.info(
-            "rank %d: ready in %.1f s (load %.1f s, prime %.1f s)",
+            "rank %d: ready in %.1f s (load %.1f s, prime %.1f s; process group %.1f s)",
             self.rank,
             time.perf_counter() - t_start,
             self.load_s,
             self.prime_s,
+            group_s,
         )
 
     def _graphs_if_they_pay(self) -> MicroBatchGraphs | None:

@@ -3,6 +3,7 @@ engine and the train ranks log, and the figures issue 32 tracks from ``metrics.j
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -34,6 +35,28 @@ def test_the_engines_own_ready_line_is_read_back(tmp_path, caplog: pytest.LogCap
     assert got["took_s"] >= got["load_s"] and got["graphs_s"] == 0.0  # no graphs on CPU
 
 
+def test_the_rollout_workers_setup_line_is_read_back(tmp_path, caplog: pytest.LogCaptureFixture):
+    from arl.node.rollout import RolloutWorker
+
+    worker = RolloutWorker(
+        model_path=make_tiny_model(tmp_path / "tiny"), reward="arl.rewards.arith:arith_reward"
+    )
+
+    async def setup() -> None:
+        await worker.setup()
+        await worker.engine.aclose()
+
+    with caplog.at_level(logging.INFO, logger="arl.rollout"):
+        asyncio.run(setup())
+    (record,) = [r for r in caplog.records if "rollout setup in" in r.getMessage()]
+    got = read_phases(_line(record.created, record.getMessage()), record.created - 3.0)
+    setup = got["rollout_setup"]
+    assert setup["at_s"] == pytest.approx(3.0, abs=0.002)
+    parts = ("imports_s", "reward_s", "tokenizer_s", "engine_s")
+    assert setup["took_s"] == pytest.approx(sum(setup[k] for k in parts), abs=0.21)  # rounding
+    assert setup["took_s"] > 0
+
+
 def _run(first_end: float, exit_at: float) -> dict:
     rows = [
         {"time": T0 + first_end, "time/step_s": 4.0, "time/wait_rollout_s": 3.0, "time/train_s": 1},
@@ -41,12 +64,20 @@ def _run(first_end: float, exit_at: float) -> dict:
     ]
     log = "\n".join(
         [
+            _line(T0 + 1.25, "INFO arl.launch: resolved config saved to runs/x/config.yaml"),
             _line(T0 + 2.5, "INFO arl.controller: node rollout0 joined from vm pid 1"),
             _line(T0 + 2.75, "INFO arl.controller: node train0 joined from vm pid 2"),
             "Loading weights: 100%|##########| 272/272",  # no time stamp: skipped
             _line(T0 + 9.0, "arl.engines.hf.engine hf engine ready in 6.0 s "
                   "(load 1.5 s, compile 2.5 s, graphs 2.0 s)"),
-            _line(T0 + 8.0, "arl.train.fsdp rank 0: ready in 5.0 s (load 2.0 s, prime 3.0 s)"),
+            _line(T0 + 9.0, "arl.rollout rollout setup in 6.2 s (imports 1.0 s, reward and "
+                  "workflow 0.1 s, tokenizer 0.5 s, engine 4.6 s)"),
+            _line(T0 + 8.0, "arl.train.fsdp rank 0: ready in 5.0 s (load 2.0 s, prime 3.0 s; "
+                  "process group 0.5 s)"),
+            _line(T0 + 8.0, "arl.node node train0: created train (arl.node.train:TrainWorker) "
+                  "in 5.2 s (import 0.2 s)"),
+            _line(T0 + 8.1, "arl.node node train0: created weights (arl.weights.zmq:ZmqSender) "
+                  "in 0.0 s (import 0.0 s)"),  # a later object: not the train worker's line
             _line(T0 + 11.0, "arl.train.fsdp rank 0: warmed up (compile=True) in 1.5 s"),
         ]
     )  # fmt: skip
@@ -64,6 +95,12 @@ def test_the_tracked_figures_and_phases_come_from_the_metrics_and_the_log():
         {"at_s": 9.0, "took_s": 6.0, "load_s": 1.5, "compile_s": 2.5, "graphs_s": 2.0}, abs=0.002
     )
     assert p["train_ready"]["prime_s"] == 3.0 and p["train_warm_up"]["took_s"] == 1.5
+    assert p["train_ready"]["group_s"] == 0.5 and p["train_created"]["import_s"] == 0.2
+    assert p["config_saved"]["at_s"] == pytest.approx(1.25, abs=0.002)
+    assert p["rollout_setup"] == pytest.approx(
+        {"at_s": 9.0, "took_s": 6.2, "imports_s": 1.0, "reward_s": 0.1, "tokenizer_s": 0.5,
+         "engine_s": 4.6}, abs=0.002
+    )  # fmt: skip
     floors = {"import_s": 2.0, "model_load_s": 1.0}
     out = results_json("arith", cold, warm, floors, steps=2)
     assert out["arith.first_step_s_cold"] == 20.0
@@ -73,6 +110,13 @@ def test_the_tracked_figures_and_phases_come_from_the_metrics_and_the_log():
     assert "| engine: compile (norm/MLP blocks, flex) | 2.5 | 2.5 | - |" in table
     assert "| first_step_s: launch to the end of step 1 | 20.0 | 12.5 | - |" in table
     assert "| train rank 0: load | 2.0 | 2.0 | 1.0 |" in table
+    assert "| rollout setup: tokenizer | 0.5 | 0.5 | - |" in table
+
+
+def test_a_ready_line_without_the_process_group_still_reads():
+    line = _line(T0 + 8.0, "arl.train.fsdp rank 0: ready in 5.0 s (load 2.0 s, prime 3.0 s)")
+    got = read_phases(line, T0)["train_ready"]
+    assert got == pytest.approx({"at_s": 8.0, "took_s": 5.0, "load_s": 2.0, "prime_s": 3.0})
 
 
 def test_a_run_that_ended_before_step_1_is_refused():
