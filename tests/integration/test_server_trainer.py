@@ -100,7 +100,7 @@ def test_a_sync_interrupts_server_generations_and_their_tokens_switch_version(
     # 0.1 s a token: a group of the next batch outlasts a training step of the tiny model.
     standin_env.setenv(TOKEN_DELAY_ENV, "0.1")
     cfg = _sglang_config(
-        tmp_path, tiny_model, "gconfig.max_new_tokens=256", "rollout.max_concurrent_rollouts=2"
+        tmp_path, tiny_model, "gconfig.max_new_tokens=64", "rollout.max_concurrent_rollouts=2"
     )
     asyncio.run(run(cfg))
     rows = read_jsonl(cfg.run_path / "metrics.jsonl")
