@@ -347,11 +347,12 @@ class FSDPEngine:
     def _logp(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
         lens = seq_lengths(batch)
+        keys = ("input_ids", "attention_mask", *(("loss_mask",) if "loss_mask" in batch else ()))
         for rows in self._micro_batches(batch, self._token_budget(batch, backward=False)):
             if not rows:
                 self._dummy_pass(model, backward=False)
                 continue
-            mb = self._to_device(select_rows(batch, rows), ("input_ids", "attention_mask"))
+            mb = self._to_device(select_rows(batch, rows), keys)
             logp, _ = forward_logp(
                 model,
                 mb["input_ids"],
@@ -359,6 +360,7 @@ class FSDPEngine:
                 self.cfg.temperature,
                 self.layout,
                 [lens[i] for i in rows],
+                needed=mb.get("loss_mask"),  # the loss reads these positions alone
             )
             out[rows, : logp.shape[1]] = logp.float().cpu()
         return out
@@ -506,6 +508,7 @@ class FSDPEngine:
                     self.cfg.temperature,
                     self.layout,
                     [lens[i] for i in rows],
+                    needed=mb["loss_mask"],
                 )
                 self._train_pass(logp, ent, mb)
         out = self._stats.reduce(self._all_sum, self._all_max, n_global)

@@ -32,6 +32,7 @@ def forward_logp(
     temperature: float,
     layout: Layout = "padded",
     lengths: Sequence[int] | None = None,
+    needed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob and entropy [n, L] of right-padded rows, 0 at position 0 and on padding.
 
@@ -44,6 +45,11 @@ def forward_logp(
     micro-batch are never materialised at once. ``lengths`` (each row's attended tokens, as
     the host knows them) spares the packed layout its reads of sizes from the device: on a
     GPU time-shared with an inference engine each such read waits for the engine's turn too.
+
+    ``needed`` [n, L] (the loss mask) names the positions whose values are used: on a CPU the
+    padded layout's head then computes those alone (0 elsewhere); a prompt is most of a short
+    completion's row. The packed layout computes every position (on CUDA its micro-batches
+    replay graphs of fixed shapes, and a data-dependent selection would read the device).
     """
     if layout == "packed":
         row = pack_rows(input_ids, attention_mask, lengths)
@@ -63,7 +69,11 @@ def forward_logp(
         # Such a model is given no mask (`register_varlen`): padding would be attended.
         raise ValueError("a model loaded for packed rows (varlen attention) cannot run padded rows")
     pos = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    logp, ent = _logp_entropy(model, input_ids, pos, temperature, attention_mask=attention_mask)
+    if input_ids.device.type != "cpu":
+        needed = None
+    logp, ent = _logp_entropy(
+        model, input_ids, pos, temperature, needed, attention_mask=attention_mask
+    )
     mask = attention_mask.bool()
     return torch.where(mask, logp, 0.0), torch.where(mask, ent, 0.0)
 
@@ -83,7 +93,7 @@ def packed_logp_entropy(
     if uses_varlen(model):
         cu = cu_seqlens.to(torch.int32)
         kw = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": int(max_len)}
-    return _logp_entropy(model, input_ids, position_ids, temperature, **kw)
+    return _logp_entropy(model, input_ids, position_ids, temperature, None, **kw)
 
 
 def uses_varlen(model: torch.nn.Module) -> bool:
@@ -96,11 +106,12 @@ def _logp_entropy(
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     temperature: float,
+    needed: torch.Tensor | None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     head = model.get_output_embeddings()
     if isinstance(getattr(head, "arl_logp", None), ChunkedLogpHead):
-        with head.arl_logp.targets(input_ids, temperature):
+        with head.arl_logp.targets(input_ids, temperature, needed):
             out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
         logp, ent = out.logits.unbind(-1)
         starts = position_ids == 0
@@ -118,28 +129,33 @@ class ChunkedLogpHead:
     gathered. While `targets` is active the head returns [B, T, 2] float32: position t holds
     log_softmax(z[t-1] / T)[id_t] and the entropy of softmax(z[t-1] / T) (0 at t = 0). The
     logits exist one chunk of ``chunk_tokens`` positions at a time, in the layer's dtype, and
-    are never kept for backward (`LinearLogp` recomputes each chunk's). Outside `targets` it
-    is the plain Linear.
+    are never kept for backward (`LinearLogp` recomputes each chunk's). Given the positions
+    that are ``needed``, only those are computed (the rest hold 0 and get no gradient). Outside
+    `targets` it is the plain Linear.
     """
 
     def __init__(self, linear: torch.nn.Linear, chunk_tokens: int) -> None:
         self.linear, self.chunk_tokens = linear, chunk_tokens
         self._ids: torch.Tensor | None = None
+        self._needed: torch.Tensor | None = None
         self._inv_temp = 1.0
         self._plain = linear.forward
         linear.arl_logp = self
         linear.forward = self.forward
 
     @contextlib.contextmanager
-    def targets(self, input_ids: torch.Tensor, temperature: float) -> Iterator[None]:
-        """Within this block the head computes log-probs of ``input_ids`` [B, T]."""
+    def targets(
+        self, input_ids: torch.Tensor, temperature: float, needed: torch.Tensor | None = None
+    ) -> Iterator[None]:
+        """Within this block the head computes log-probs of ``input_ids`` [B, T], at the
+        positions ``needed`` [B, T] (bool) holds, or at every position."""
         if temperature <= 0:
             raise ValueError(f"temperature must be positive for log-probs, got {temperature}")
-        self._ids, self._inv_temp = input_ids, 1.0 / temperature
+        self._ids, self._inv_temp, self._needed = input_ids, 1.0 / temperature, needed
         try:
             yield
         finally:
-            self._ids = None
+            self._ids = self._needed = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         ids = self._ids
@@ -149,7 +165,12 @@ class ChunkedLogpHead:
         h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
         tgt = ids[:, 1:].reshape(-1)
         w, bias = self.linear.weight, self.linear.bias
-        out = LinearLogp.apply(h, w, bias, tgt, self._inv_temp, self.chunk_tokens)
+        if self._needed is None:
+            out = LinearLogp.apply(h, w, bias, tgt, self._inv_temp, self.chunk_tokens)
+        else:
+            rows = self._needed[:, 1:].reshape(-1).nonzero().squeeze(1)
+            some = LinearLogp.apply(h[rows], w, bias, tgt[rows], self._inv_temp, self.chunk_tokens)
+            out = some.new_zeros(h.shape[0], 2).index_copy(0, rows, some)
         return torch.cat([out.new_zeros(b, 1, 2), out.reshape(b, t - 1, 2)], dim=1)
 
 

@@ -59,6 +59,32 @@ def test_chunked_head_gives_the_logits_path_values_and_gradients(layout: str) ->
         torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_the_needed_positions_alone_give_the_same_values_and_gradients() -> None:
+    """Given the loss mask, the padded layout's head computes those positions only: their
+    values and the gradients of a loss that reads them are the full head's; the others are 0."""
+    ids, am = rows()
+    needed = am.clone()
+    needed[:, :3] = False  # a prompt of 3 tokens
+    needed[1, 3] = False  # a row with its first completion token out of the loss
+    full, some = tiny_model(), tiny_model()
+    for model in (full, some):
+        ChunkedLogpHead(model.lm_head, chunk_tokens=5)
+    want_logp, want_ent = forward_logp(full, ids, am, 0.7, "padded")
+    logp, ent = forward_logp(some, ids, am, 0.7, "padded", needed=needed)
+    torch.testing.assert_close(logp[needed], want_logp[needed], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ent[needed], want_ent[needed], atol=1e-6, rtol=1e-6)
+    assert not logp[~needed].any() and not ent[~needed].any()
+    weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(2))
+    (torch.where(needed, want_logp, 0.0) * weights).sum().backward()
+    (torch.where(needed, logp, 0.0) * weights).sum().backward()
+    for (name, p), q in zip(full.named_parameters(), some.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-6, rtol=1e-5, msg=name)
+    # A micro-batch with no position in its loss: nothing computed, no gradient, no error.
+    none = torch.zeros_like(am)
+    logp, _ = forward_logp(some, ids, am, 0.7, "padded", needed=none)
+    assert not logp.any()
+
+
 def test_head_outside_targets_is_the_plain_linear() -> None:
     model = tiny_model()
     ids, _ = rows()
