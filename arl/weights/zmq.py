@@ -74,8 +74,11 @@ class ZmqSender(SenderPart, UsesNode):
         """Every rank calls it (the gathers are collective); returns rank 0's bucket metas."""
         store, rank0 = self.node.store, self.host.rank == 0
         metas, bucket, size = [], {}, 0
+        # A tied alias (lm_head of tied embeddings) is the tensor of the name it aliases, in
+        # the engine too: sending that name updates both (the ipc_buffer mode's rule as well).
+        tied = self.host.tied_weights() if rank0 else {}
         for name, t in self.host.full_state():
-            if not rank0:
+            if not rank0 or name in tied:  # every rank iterates: the gathers are collective
                 continue
             # A copy: with one train rank `full_state` yields views of the live weights.
             bucket[name] = t.detach().to("cpu", copy=True).contiguous()

@@ -42,4 +42,8 @@ def test_three_steps_eta1_weights_synced_versions_recorded(tmp_path, tiny_model,
     from transformers import AutoModelForCausalLM
 
     export = cfg.run_path / "checkpoints" / "step3"
-    AutoModelForCausalLM.from_pretrained(export)
+    model = AutoModelForCausalLM.from_pretrained(export, dtype="float32")
+    # Each tensor crossed once: the tied output layer is the embedding's, on both sides.
+    assert model.config.tie_word_embeddings
+    unique = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert {r["sync/bytes"] for r in rows} == {unique}
