@@ -65,6 +65,8 @@ class GGUFFile:
 
         self.path = Path(path)
         with open(self.path, "rb") as fh:
+            if not self.path.stat().st_size:
+                raise GGUFError(f"{self.path} is empty, not a GGUF file")
             self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         self._pos = 0
         if self._take(4) != _MAGIC:

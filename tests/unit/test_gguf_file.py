@@ -160,6 +160,9 @@ def test_files_that_are_not_gguf_or_are_cut_short_are_named(llama_gguf, tmp_path
     bad.write_bytes(b"GGML" + path.read_bytes()[4:])
     with pytest.raises(GGUFError, match="not a GGUF file"):
         GGUFFile(bad)
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(GGUFError, match="is empty, not a GGUF file"):
+        GGUFFile(tmp_path / "empty.gguf")
     data = path.read_bytes()
     for cut in (200, len(data) - 100):  # inside the header; inside the last tensor's data
         short = tmp_path / f"short{cut}.gguf"
