@@ -118,7 +118,8 @@ def node_env(spec: NodeSpec, cfg: Config, n_nodes: int = 1) -> dict[str, str]:
     if threads is None and not spec.gpu_ids:
         # Cores are split between the nodes: rollout and training run at the same time
         # (asynchronous RL), and oversubscribed OpenMP threads spin against each other
-        # (measured 20x slower training steps with 2 threads per node on 2 cores).
+        # (once measured 20x slower training steps with 2 threads per node on 2 cores; with
+        # torch 2.13 13% slower, and faster under OMP_WAIT_POLICY=PASSIVE: docs/results.md).
         threads = max(1, (os.cpu_count() or 1) // n_nodes)
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
