@@ -189,6 +189,10 @@ class SimTrainWorker:
     def set_sync_dtype(self, dtype: str | None) -> None:
         """Nothing to convert."""
 
+    def tied_weights(self) -> dict[str, str]:
+        """No tied weights: the one tensor of `full_state`."""
+        return {}
+
     def full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Rank 0's "weights": one tensor of ``weight_bytes`` (what the zmq sync publishes)."""
         if self.rank == 0:
