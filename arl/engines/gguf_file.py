@@ -27,19 +27,22 @@ import numpy as np
 
 _MAGIC = b"GGUF"
 _STRING, _ARRAY = 8, 9
-# Value type -> struct format of the scalar types.
+# Value type -> the struct of that scalar type.
 _SCALARS = {
-    0: "<B",
-    1: "<b",
-    2: "<H",
-    3: "<h",
-    4: "<I",
-    5: "<i",
-    6: "<f",
-    7: "<?",
-    10: "<Q",
-    11: "<q",
-    12: "<d",
+    vtype: struct.Struct(fmt)
+    for vtype, fmt in {
+        0: "<B",
+        1: "<b",
+        2: "<H",
+        3: "<h",
+        4: "<I",
+        5: "<i",
+        6: "<f",
+        7: "<?",
+        10: "<Q",
+        11: "<q",
+        12: "<d",
+    }.items()
 }
 
 
@@ -122,21 +125,20 @@ class GGUFFile:
 
     # ----------------------------------------------------------------- header parsing
 
-    def _take(self, n: int) -> bytes:
+    def _need(self, n: int) -> int:
+        """The offset of the next ``n`` header bytes, which are then taken."""
         if self._pos + n > len(self._map):
             raise GGUFError(f"{self.path}: the header ends early (truncated file?)")
-        out = self._map[self._pos : self._pos + n]
-        self._pos += n
-        return out
+        at, self._pos = self._pos, self._pos + n
+        return at
+
+    def _take(self, n: int) -> bytes:
+        at = self._need(n)
+        return self._map[at : at + n]
 
     def _scalar(self, vtype: int) -> Any:
-        fmt = _SCALARS[vtype]
-        size = struct.calcsize(fmt)
-        if self._pos + size > len(self._map):
-            raise GGUFError(f"{self.path}: the header ends early (truncated file?)")
-        (value,) = struct.unpack_from(fmt, self._map, self._pos)
-        self._pos += size
-        return value
+        scalar = _SCALARS[vtype]
+        return scalar.unpack_from(self._map, self._need(scalar.size))[0]
 
     def _string(self) -> str:
         return self._take(self._scalar(10)).decode("utf-8", errors="replace")
@@ -147,13 +149,9 @@ class GGUFFile:
         if vtype == _ARRAY:
             item, count = self._scalar(4), self._scalar(10)
             if item in _SCALARS:  # one unpack for the whole array
-                fmt = _SCALARS[item]
-                size = struct.calcsize(fmt) * count
-                if self._pos + size > len(self._map):
-                    raise GGUFError(f"{self.path}: the header ends early (truncated file?)")
-                values = list(struct.unpack_from(f"<{count}{fmt[1]}", self._map, self._pos))
-                self._pos += size
-                return values
+                scalar = _SCALARS[item]
+                at = self._need(scalar.size * count)
+                return list(struct.unpack_from(f"<{count}{scalar.format[-1]}", self._map, at))
             return [self._value(item) for _ in range(count)]
         if vtype not in _SCALARS:
             raise GGUFError(f"{self.path}: metadata value type {vtype} is not a GGUF type")
@@ -227,12 +225,14 @@ def gguf_llama_config(gguf: GGUFFile) -> Any:
     return AutoConfig.for_model("llama", **kwargs)
 
 
-def gguf_llama_weights(gguf: GGUFFile, heads: int, kv_heads: int) -> dict[str, Any]:
+def gguf_llama_weights(gguf: GGUFFile) -> dict[str, Any]:
     """The dequantized fp32 weights (torch tensors) of a llama-architecture GGUF under
     transformers' names; a name this table does not know is refused (it would be a weight the
     converted model silently lacks)."""
     import torch
 
+    heads = gguf.metadata["llama.attention.head_count"]
+    kv_heads = gguf.metadata.get("llama.attention.head_count_kv", heads)
     out: dict[str, Any] = {}
     for t in gguf.tensors:
         layer, _, rest = t.name.partition(".")

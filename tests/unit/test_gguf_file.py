@@ -130,7 +130,7 @@ def test_the_converter_gives_transformers_own_config_and_weights(llama_gguf):
     )
     with GGUFFile(path) as gguf:
         config = gguf_llama_config(gguf)
-        state = gguf_llama_weights(gguf, config.num_attention_heads, config.num_key_value_heads)
+        state = gguf_llama_weights(gguf)
     theirs = ref.state_dict()
     assert set(theirs) - set(state) == {"lm_head.weight"}  # tied: the embedding's
     for name, tensor in state.items():
@@ -151,7 +151,7 @@ def test_a_tensor_the_converter_does_not_know_is_named(tmp_path):
     path = tmp_path / "extra.gguf"
     write_llama_gguf(path, extra_tensor="rope_freqs.weight")
     with GGUFFile(path) as gguf, pytest.raises(GGUFError, match="'rope_freqs.weight' has no llama"):
-        gguf_llama_weights(gguf, HEADS, KV_HEADS)
+        gguf_llama_weights(gguf)
 
 
 def test_files_that_are_not_gguf_or_are_cut_short_are_named(llama_gguf, tmp_path):
