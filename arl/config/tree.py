@@ -159,7 +159,10 @@ class ClusterConfig:
         rule=positive(),
     )
     cpu_threads_per_node: int | None = _f(
-        None, "torch threads per node process (none: torch's default)", rule=positive()
+        None,
+        "torch threads per node process without a GPU (none: a train node takes the host's "
+        "cores, a rollout node its share among all the nodes; a GPU node torch's default)",
+        rule=positive(),
     )
 
 

@@ -72,3 +72,46 @@ def test_mps_without_its_daemon_on_path_is_refused_before_any_process_starts(mon
         for i, (r, e) in enumerate((("rollout", "hf"), ("train", "fsdp")))
     ]
     _LocalLauncher(LaunchRequest(_mps_config(), cpu, Security("s" * 32), ["r0", "t0"]))
+
+
+def _cpu_node(node_id: int, role: str) -> NodeSpec:
+    engine = "fsdp" if role == "train" else "hf"
+    return NodeSpec(
+        node_id=node_id, role=role, rank=0, device="cpu", engine=engine, dp_rank=0, tp_size=1
+    )
+
+
+def test_cpu_nodes_share_the_host_train_taking_its_cores(monkeypatch) -> None:
+    from arl.control.cluster import cpu_threads
+
+    rollout, train = _cpu_node(0, "rollout"), _cpu_node(1, "train")
+    plan = [rollout, train]
+    assert cpu_threads(train, plan, cores=16) == 16
+    assert cpu_threads(rollout, plan, cores=16) == 8
+    two_ranks = [rollout, train, _cpu_node(2, "train")]
+    assert cpu_threads(train, two_ranks, cores=16) == 8
+    assert cpu_threads(rollout, two_ranks, cores=16) == 5
+    assert cpu_threads(rollout, [*two_ranks, _cpu_node(3, "rollout")], cores=2) == 1
+    gpu_train = NodeSpec(
+        node_id=2,
+        role="train",
+        rank=0,
+        device="cuda:0",
+        engine="fsdp",
+        dp_rank=0,
+        tp_size=1,
+        gpu_ids=(0,),
+    )
+    assert cpu_threads(train, [rollout, train, gpu_train], cores=16) == 16  # GPU ranks aside
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    env = node_env(train, Config(), plan)
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE"  # idle OpenMP threads sleep: the cores overlap
+    assert env["OMP_NUM_THREADS"] == str(cpu_threads(train, plan))
+    assert "OMP_WAIT_POLICY" not in node_env(gpu_train, Config(), plan)
+    assert "OMP_NUM_THREADS" not in node_env(gpu_train, Config(), plan)
+    cfg = Config()
+    cfg.cluster.cpu_threads_per_node = 3
+    assert node_env(rollout, cfg, plan)["OMP_NUM_THREADS"] == "3"  # the user's count wins
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert "OMP_WAIT_POLICY" not in node_env(train, Config(), plan)  # theirs is inherited
