@@ -51,6 +51,7 @@ from arl.engines.hf.graphs import (
 )
 from arl.engines.hf.kv_cache import SlotKVCache
 from arl.engines.hf.request import Request, deliver, settle
+from arl.engines.hf.sampling import sample_rows
 from arl.engines.hf.steps import Launched, StepOutputs, upload
 from arl.engines.hf.weights import checksum_named_tensors, is_adapter_folder, iter_weights_folder
 from arl.engines.lora import add_lora, is_lora_name, lora_enabled, lora_tensors
@@ -234,7 +235,6 @@ class HFEngine:
         dev, b = self.device, max_batch_size
         self._row_idx = torch.arange(b, device=dev)
         self._kv_arange = torch.arange(max_seq_len, device=dev)
-        self._vocab_arange = torch.arange(self._n_logits, device=dev)
         # Per-row sampling state, compacted together with the cache rows.
         self._next_tok = torch.zeros(b, dtype=torch.long, device=dev)
         self._pos = torch.zeros(b, dtype=torch.long, device=dev)
@@ -1094,25 +1094,16 @@ class HFEngine:
     def _sample(self, logits: torch.Tensor, rows: list[Request]) -> tuple[torch.Tensor, ...]:
         """Sample one token per row; return it and its log-prob under log_softmax(logits / T)."""
         n = len(rows)
-        logp = torch.log_softmax(logits.float() / self._temp[:n, None], dim=-1)
-        greedy_tok = logp.argmax(dim=-1)
-        if all(r.greedy for r in rows):
-            tokens = greedy_tok
-        else:
-            # Gumbel-max: argmax(logp + Gumbel noise) samples from softmax(logp).
-            gumbel = -torch.empty_like(logp).exponential_(generator=self._gen).log_()
-            if any(r.top_p < 1 or 0 < r.top_k < self._n_logits for r in rows):
-                sorted_lp, order = logp.sort(dim=-1, descending=True)
-                probs = sorted_lp.exp()
-                keep = self._vocab_arange[None, :] < self._top_k[:n, None]
-                # Keep the smallest prefix whose mass reaches top_p (the first token always).
-                keep &= (probs.cumsum(dim=-1) - probs) < self._top_p[:n, None]
-                choice = (sorted_lp.masked_fill(~keep, float("-inf")) + gumbel).argmax(dim=-1)
-                sampled = order.gather(1, choice[:, None])[:, 0]
-            else:
-                sampled = (logp + gumbel).argmax(dim=-1)
-            tokens = torch.where(self._greedy[:n], greedy_tok, sampled)
-        return tokens, logp.gather(1, tokens[:, None])[:, 0]
+        return sample_rows(
+            logits,
+            self._temp[:n],
+            self._greedy[:n],
+            self._top_p[:n],
+            self._top_k[:n],
+            self._gen,
+            all_greedy=all(r.greedy for r in rows),
+            truncate=any(r.top_p < 1 or 0 < r.top_k < self._n_logits for r in rows),
+        )
 
     def _remove_rows(self, dead: list[int]) -> None:
         """Drop rows ``dead`` and move the last live rows into the holes, keeping 0..n-1 dense."""
