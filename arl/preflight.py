@@ -1,4 +1,5 @@
-"""Checks of a run's inputs before any node starts: the model folders and the dataset splits.
+"""Checks of a run's inputs before any node starts: the model folders, the dataset splits, and
+the interpreter of an inference server the nodes would start on this machine.
 
 The nodes would find the same faults, but only after every process started and loaded what it
 could; here they become one `InputError` naming the setting, the file and what to do.
@@ -6,9 +7,20 @@ could; here they become one `InputError` naming the setting, the file and what t
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from arl.config import Config
+
+if TYPE_CHECKING:
+    from arl.engines.spec import EngineSpec
+
+# The package each server engine's interpreter must find (it runs ``python -m <package>...``).
+SERVER_PACKAGES = {"vllm": "vllm", "sglang": "sglang"}
+_FIND = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec(sys.argv[1]) else 3)"
 
 
 class InputError(RuntimeError):
@@ -62,6 +74,39 @@ def check_data(cfg: Config) -> tuple[list[dict], list[dict]]:
         loaded.append(rows)
     train, *rest = loaded
     return train, (rest[0][: cfg.evaluator.max_questions or None] if rest else [])
+
+
+def check_server(cfg: Config, engines: Sequence[EngineSpec]) -> None:
+    """With ``cluster.launcher=local`` (every node on this machine), a vllm/sglang rollout
+    engine's ``rollout.server_python`` must exist and find the server's package: else every
+    node would start and load, and the run stop when the server exits. The package is looked up,
+    not imported (an import of vllm takes seconds). Nodes elsewhere (slurm, attach, ray) may
+    have another interpreter: not checked."""
+    if cfg.cluster.launcher != "local":
+        return
+    for name in sorted({e.name for e in engines if e.is_server}):
+        package, python = SERVER_PACKAGES[name], cfg.rollout.server_python
+        where = f"rollout.backend={cfg.rollout.backend} starts `{python} -m {package}...`"
+        todo = (
+            f"install {package} for that interpreter, or set rollout.server_python to the python "
+            f"of an environment that has it (e.g. a virtualenv's bin/python)"
+        )
+        if shutil.which(python) is None:
+            raise InputError(f"{where}, but {python!r} is not an executable here; {todo}")
+        try:
+            found = subprocess.run(
+                [python, "-c", _FIND, package], capture_output=True, text=True, timeout=60
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise InputError(f"{where}, but running {python!r} failed ({e}); {todo}") from e
+        if found.returncode == 3:
+            raise InputError(f"{where}, but that python cannot import {package}; {todo}")
+        if found.returncode != 0:
+            tail = found.stderr.strip().splitlines()[-1:] or ["no output"]
+            raise InputError(
+                f"{where}, but that python fails to start (exit {found.returncode}: "
+                f"{tail[0]}); {todo}"
+            )
 
 
 def _describe(e: BaseException) -> str:

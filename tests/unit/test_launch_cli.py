@@ -267,3 +267,31 @@ def test_no_node_attaching_is_one_error_saying_who_came_and_what_to_run(tmp_path
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.startswith("error: cluster.launcher=attach: the nodes started elsewhere must")
     assert "waiting for" not in r.stderr
+
+
+def test_a_server_backend_whose_python_lacks_it_is_refused_before_any_node_starts(tmp_path):
+    import importlib.util
+
+    runs = tmp_path / "runs"
+    r = launch(
+        "recipes/arith.py",
+        "rollout.backend=sglang:d1",
+        "rollout.server_python=/no/python",
+        f"experiment.run_dir={runs}",
+    )
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.startswith(
+        "error: rollout.backend=sglang:d1 starts `/no/python -m sglang...`, but '/no/python' is "
+        "not an executable here; install sglang for that interpreter, or set rollout.server_python"
+    ), r.stderr
+    if importlib.util.find_spec("vllm") is None:  # this python, which has no vllm
+        r = launch(
+            "recipes/arith.py",
+            "rollout.backend=vllm:d1",
+            f"rollout.server_python={sys.executable}",
+            f"experiment.run_dir={runs}",
+        )
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert "but that python cannot import vllm; install vllm" in r.stderr
+    assert "joined" not in r.stderr and "Traceback" not in r.stderr  # no node was started
+    assert not runs.exists()  # nothing written
