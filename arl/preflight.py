@@ -24,7 +24,8 @@ _FIND = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec(sys.
 
 
 class InputError(RuntimeError):
-    """A model or dataset the config names cannot be used (the message says which and why)."""
+    """A model, dataset or server interpreter the config names cannot be used (the message
+    says which and why)."""
 
 
 def check_model(cfg: Config) -> str:
@@ -85,7 +86,7 @@ def check_server(cfg: Config, engines: Sequence[EngineSpec]) -> None:
     if cfg.cluster.launcher != "local":
         return
     for name in sorted({e.name for e in engines if e.is_server}):
-        package, python = SERVER_PACKAGES[name], cfg.rollout.server_python
+        package, python = SERVER_PACKAGES.get(name, name), cfg.rollout.server_python
         where = f"rollout.backend={cfg.rollout.backend} starts `{python} -m {package}...`"
         todo = (
             f"install {package} for that interpreter, or set rollout.server_python to the python "
