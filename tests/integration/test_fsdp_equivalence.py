@@ -166,7 +166,11 @@ def run_ranks(
             rc = p.wait(timeout=timeout)
             if rc != 0:
                 tail = (out / f"rank{rank}.log").read_text()[-3000:]
-                raise AssertionError(f"rank {rank} exited with {rc}:\n{tail}")
+                done = (out / f"rank{rank}.json").exists()
+                raise AssertionError(
+                    f"rank {rank} exited with {rc} ({'after' if done else 'before'} writing its "
+                    f"result):\n{tail}"
+                )
     finally:
         for p, log in procs:
             if p.poll() is None:
@@ -363,5 +367,17 @@ def test_bad_settings_fail_before_any_process_group(overrides, match):
     assert not torch.distributed.is_initialized()
 
 
+def run_rank_from_argv(main) -> None:
+    """A rank script's entry: ``main(spec)`` on the spec file named in argv, then leave as
+    arl-node does (`os._exit` once everything is written), without the interpreter's
+    finalization: there gloo's C++ worker threads may still be torn down beside Python's, which
+    aborted a rank that had finished its work ("terminate called without an active exception")
+    on a loaded 2-core CI machine."""
+    main(json.loads(Path(sys.argv[1]).read_text()))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
-    rank_main(json.loads(Path(sys.argv[1]).read_text()))
+    run_rank_from_argv(rank_main)

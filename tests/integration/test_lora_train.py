@@ -11,14 +11,18 @@ engine's settings, then compares. Each rank runs `rank_main` in its own Python s
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.integration.test_fsdp_equivalence import DP2_SHARDS, make_shards, run_ranks
+from tests.integration.test_fsdp_equivalence import (
+    DP2_SHARDS,
+    make_shards,
+    run_rank_from_argv,
+    run_ranks,
+)
 
 LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["all-linear"]}
 ACTOR = {
@@ -356,4 +360,4 @@ def test_lora_fsdp_with_a_bf16_base(tmp_path):
 
 
 if __name__ == "__main__":
-    rank_main(json.loads(Path(sys.argv[1]).read_text()))
+    run_rank_from_argv(rank_main)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import resource
 import signal
-import sys
 from pathlib import Path
 
 from tests.integration.test_train_score import _free_port, run_rank
@@ -53,4 +52,6 @@ def test_a_failed_export_leaves_no_half_folder_and_keeps_the_earlier_one(tmp_pat
 
 
 if __name__ == "__main__":
-    _rank(json.loads(Path(sys.argv[1]).read_text()))
+    from tests.integration.test_fsdp_equivalence import run_rank_from_argv
+
+    run_rank_from_argv(_rank)

@@ -61,4 +61,6 @@ def test_scoring_with_rounded_weights_leaves_later_passes_unrounded(tmp_path):
 
 
 if __name__ == "__main__":
-    _rank(json.loads(Path(sys.argv[1]).read_text()))
+    from tests.integration.test_fsdp_equivalence import run_rank_from_argv
+
+    run_rank_from_argv(_rank)
