@@ -177,3 +177,45 @@ def test_the_engine_shortens_the_thread_switch_interval(model_dir: str) -> None:
         assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
     finally:
         sys.setswitchinterval(old)
+
+
+def _prefilled_cache(path: str, prompts: list[list[int]], **options) -> tuple[list, list]:
+    """Each layer's keys and values of ``prompts`` right after one prefill (rows 0..n-1, each
+    up to its prompt's length less the last token, which decode feeds), and the engine's rows."""
+    with HFEngine(path, max_batch_size=len(prompts), max_seq_len=64, **options) as engine:
+        loop = asyncio.new_event_loop()
+        try:
+            sp = SamplingParams(max_new_tokens=4, greedy=True)
+            chunk = [engine._make_request(p, sp, loop) for p in prompts]
+            calls = []
+            engine._model.register_forward_pre_hook(lambda *a: calls.append(1))
+            with engine._cv, engine._model_lock:
+                engine._prefill(chunk)
+                order = [list(r.prompt) for r in engine._rows]
+                layers = [
+                    [
+                        (engine._cache.keys[i][row, :, : r.pos], engine._cache.values[i][row])
+                        for row, r in enumerate(engine._rows)
+                    ]
+                    for i in sorted(engine._cache.keys)
+                ]
+                layers = [[(k.clone(), v[:, : k.shape[1]].clone()) for k, v in ls] for ls in layers]
+                engine._rows = []
+            assert bool(calls) == (options.get("fused_decode") is False)  # fused: no modules
+            return order, layers
+        finally:
+            loop.close()
+
+
+def test_fused_prefill_writes_the_modules_keys_and_values(model_dir: str) -> None:
+    """One prefill of prompts of mixed lengths, a GRPO-style repeat (a copied row) and a
+    one-token prompt (no prefill): the fused path caches what the modules cache."""
+    prompts = [[5, 6, 7, 8], list(range(100, 130)), [5, 6, 7, 8], [42], [9, 9, 9, 1, 2, 3, 4]]
+    order, ref = _prefilled_cache(model_dir, prompts, fused_decode=False)
+    fused_order, got = _prefilled_cache(model_dir, prompts)
+    assert fused_order == order
+    assert len(got) == len(ref) == SHAPE["num_hidden_layers"]
+    for layer_got, layer_ref in zip(got, ref, strict=True):
+        for (k, v), (k_ref, v_ref) in zip(layer_got, layer_ref, strict=True):
+            torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(v, v_ref, atol=1e-5, rtol=1e-5)

@@ -886,6 +886,8 @@ class HFEngine:
             ids = torch.zeros((with_prefix, width), dtype=torch.long)
             for i, req in enumerate(chunk[:with_prefix]):
                 ids[i, : lengths[i]] = torch.tensor(req.prompt[:-1])
+            ids = upload(ids, torch.long, dev)
+        if with_prefix and not (self._fused is not None and self._fused_prefill(row0, ids)):
             lens = upload(lengths[:with_prefix], torch.long, dev)
             cols = self._kv_arange[:width]
             # Row r, query i may see key j when j <= i (causal) and j < len_r (not padding);
@@ -896,7 +898,7 @@ class HFEngine:
             mask = self._additive_mask(allowed)[:, None]
             self._cache.begin_prefill(row0, with_prefix, width)
             self._model(
-                input_ids=upload(ids, torch.long, dev),
+                input_ids=ids,
                 attention_mask=mask,
                 position_ids=cols[None, :].expand(with_prefix, width),
                 use_cache=True,
@@ -920,6 +922,32 @@ class HFEngine:
         for req, length in zip(chunk, lengths, strict=True):
             req.pos = length
         self._rows.extend(chunk)
+
+    def _fused_prefill(self, row0: int, ids: torch.Tensor) -> bool:
+        """Prefill ``ids`` [rows, width] into the cache rows from ``row0`` through the fused
+        functions; False where they cannot run here (as `_forward_decode` falls back)."""
+        fused, cache = self._fused, self._cache
+        assert fused is not None
+        rows, width = ids.shape
+        shape = (fused.kv_heads, fused.dim, self.dtype, self.device)
+
+        def write_kv(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            keys, values = cache.layer(layer, *shape)
+            keys[row0 : row0 + rows, :, :width] = k
+            values[row0 : row0 + rows, :, :width] = v
+
+        try:
+            fused.prefill(ids, write_kv)
+        except Exception as exc:
+            if self._fused_ok:
+                raise
+            # The first fused call compiles: a machine where that fails runs the modules.
+            logger.warning("fused prefill failed (%r); running the modules", exc)
+            self._last_error = f"fused prefill failed: {exc!r}"
+            self._fused = None
+            return False
+        self._fused_ok = True
+        return True
 
     def _additive_mask(self, allowed: torch.Tensor) -> torch.Tensor:
         # An additive float mask works with both the sdpa and the eager attention paths.
