@@ -192,6 +192,45 @@ class FusedDecoder:
 
         return attn_in, attn_out, head
 
+    def _layer_in(
+        self,
+        i: int,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        """Layer ``i``'s `attn_in` on its weights: the residual stream, q, k and v."""
+        a = self.layers[i].self_attn
+        qkv_w, qkv_b = self._qkv[i]
+        q_norm = getattr(a, "q_norm", None)
+        k_norm = getattr(a, "k_norm", None)
+        return self._attn_in(
+            x,
+            delta,
+            self.layers[i].input_layernorm.weight,
+            qkv_w,
+            qkv_b,
+            None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight,
+            cos,
+            sin,
+        )
+
+    def _layer_out(
+        self, i: int, x: torch.Tensor, attn: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s `attn_out` on its weights: the residual stream and the MLP's output."""
+        layer = self.layers[i]
+        return self._attn_out(
+            x,
+            attn,
+            layer.self_attn.o_proj.weight,
+            layer.post_attention_layernorm.weight,
+            self._gate_up[i],
+            layer.mlp.down_proj.weight,
+        )
+
     def forward(
         self,
         tokens: torch.Tensor,
@@ -211,32 +250,10 @@ class FusedDecoder:
         # [n, 1, dim]: one position per row, broadcast over the heads
         cos, sin = inner.rotary_emb(x[:, None, :], position_ids=positions[:, None])
         delta = None
-        for i, layer in enumerate(self.layers):
-            a, m = layer.self_attn, layer.mlp
-            qkv_w, qkv_b = self._qkv[i]
-            q_norm = getattr(a, "q_norm", None)
-            k_norm = getattr(a, "k_norm", None)
-            x, q, k, v = self._attn_in(
-                x,
-                delta,
-                layer.input_layernorm.weight,
-                qkv_w,
-                qkv_b,
-                None if q_norm is None else q_norm.weight,
-                None if k_norm is None else k_norm.weight,
-                cos,
-                sin,
-            )
+        for i in range(len(self.layers)):
+            x, q, k, v = self._layer_in(i, x, delta, cos, sin)
             write_kv(i, k, v)
-            out = attend(q, i, rows, width)
-            x, delta = self._attn_out(
-                x,
-                out,
-                a.o_proj.weight,
-                layer.post_attention_layernorm.weight,
-                self._gate_up[i],
-                m.down_proj.weight,
-            )
+            x, delta = self._layer_out(i, x, attend(q, i, rows, width))
         return self._head(x, delta, inner.norm.weight, self.model.lm_head.weight)
 
     def prefill(
@@ -262,22 +279,8 @@ class FusedDecoder:
         cos, sin = inner.rotary_emb(x[:, None, :], position_ids=positions[:, None])
         delta = None
         last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            a, m = layer.self_attn, layer.mlp
-            qkv_w, qkv_b = self._qkv[i]
-            q_norm = getattr(a, "q_norm", None)
-            k_norm = getattr(a, "k_norm", None)
-            x, q, k, v = self._attn_in(
-                x,
-                delta,
-                layer.input_layernorm.weight,
-                qkv_w,
-                qkv_b,
-                None if q_norm is None else q_norm.weight,
-                None if k_norm is None else k_norm.weight,
-                cos,
-                sin,
-            )
+        for i in range(len(self.layers)):
+            x, q, k, v = self._layer_in(i, x, delta, cos, sin)
             k = k.view(rows, width, kv_heads, dim).transpose(1, 2)
             v = v.view(rows, width, kv_heads, dim).transpose(1, 2)
             write_kv(i, k, v)
@@ -291,14 +294,7 @@ class FusedDecoder:
             # Shaped as decode's attention output, and a tensor of its own (no view base that
             # the compiled function would guard on), so prefill reuses decode's compilation.
             out = out.transpose(1, 2).reshape(rows * width, kv_heads, group, dim).clone()
-            x, delta = self._attn_out(
-                x,
-                out,
-                a.o_proj.weight,
-                layer.post_attention_layernorm.weight,
-                self._gate_up[i],
-                m.down_proj.weight,
-            )
+            x, delta = self._layer_out(i, x, out)
 
 
 def _fuse(params: list[torch.Tensor]) -> torch.Tensor:
