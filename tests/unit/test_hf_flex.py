@@ -237,9 +237,10 @@ def test_a_shape_that_fails_to_compile_after_the_build_decodes_eagerly(
 def test_the_build_probe_compiles_the_shape_the_first_decode_graph_runs(
     tiny: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`flex_decode`'s probe runs one row at the warm-up's width on the engine's own mask, so
-    the warm-up's first graph (one row) reuses what it compiled; each further row bucket is a
-    shape of its own. Compilations are counted by a backend that runs the traced graph."""
+    """`flex_decode`'s probe runs the smallest row bucket (two rows: one runs as two) at the
+    warm-up's width on the engine's own mask, so the warm-up's first graph reuses what it
+    compiled; each further row bucket is a shape of its own. Compilations are counted by a
+    backend that runs the traced graph."""
     from torch.nn.attention.flex_attention import flex_attention
 
     compiled: list[int] = []
@@ -262,6 +263,8 @@ def test_the_build_probe_compiles_the_shape_the_first_decode_graph_runs(
                 e._forward_decode(*e._decode_shape(1, 5))
                 assert len(compiled) == 1
                 e._forward_decode(*e._decode_shape(2, 5))
+                assert len(compiled) == 1
+                e._forward_decode(*e._decode_shape(3, 5))
                 assert len(compiled) == 2
     finally:
         torch._dynamo.reset()

@@ -19,7 +19,8 @@ from transformers import (
 
 from arl.engines.base import SamplingParams
 from arl.engines.hf import HFEngine
-from arl.engines.hf.fused import unsupported_reason
+from arl.engines.hf.fused import FusedDecoder, unsupported_reason
+from arl.engines.hf.graphs import buckets, row_bucket
 
 torch.set_num_threads(1)
 
@@ -207,10 +208,20 @@ def _prefilled_cache(path: str, prompts: list[list[int]], **options) -> tuple[li
             loop.close()
 
 
-def test_fused_prefill_writes_the_modules_keys_and_values(model_dir: str) -> None:
+@pytest.mark.parametrize(
+    "prompts",
+    [
+        [[5, 6, 7, 8], list(range(100, 130)), [5, 6, 7, 8], [42], [9, 9, 9, 1, 2, 3, 4]],
+        [[3, 4]],  # one token to prefill, which runs padded to two
+    ],
+    ids=["mixed", "one-token"],
+)
+def test_fused_prefill_writes_the_modules_keys_and_values(
+    model_dir: str, prompts: list[list[int]]
+) -> None:
     """One prefill of prompts of mixed lengths, a GRPO-style repeat (a copied row) and a
-    one-token prompt (no prefill): the fused path caches what the modules cache."""
-    prompts = [[5, 6, 7, 8], list(range(100, 130)), [5, 6, 7, 8], [42], [9, 9, 9, 1, 2, 3, 4]]
+    one-token prompt (no prefill), or of one token alone: the fused path caches what the
+    modules cache."""
     order, ref = _prefilled_cache(model_dir, prompts, fused_decode=False)
     fused_order, got = _prefilled_cache(model_dir, prompts)
     assert fused_order == order
@@ -219,3 +230,28 @@ def test_fused_prefill_writes_the_modules_keys_and_values(model_dir: str) -> Non
         for (k, v), (k_ref, v_ref) in zip(layer_got, layer_ref, strict=True):
             torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(v, v_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_each_fused_function_compiles_once_for_every_step_and_prefill(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Start-up pays one compilation per fused function, not one per batch bucket or per kind
+    of call: decode at every row bucket and prefills of one token, of one row and of many rows
+    all run on the first compilation (dynamo's tracing, with its eager backend here, decides
+    what recompiles; inductor on CUDA compiles the same graphs)."""
+    compile_ = torch.compile
+    monkeypatch.setattr(
+        torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"})
+    )
+    torch._dynamo.reset()
+    rows = 64
+    with HFEngine(model_dir, max_batch_size=rows, max_seq_len=64, decode_attention="sdpa") as e:
+        e._fused = FusedDecoder(e._model, compiled=True)
+        e._cache.reserve(rows, 64)
+        with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+            for n in buckets(rows, row_bucket):
+                e._pos[:n] = torch.arange(n) % 8
+                assert e._fused_decode(n, 64).shape[0] == n
+            for shape in ((1, 1), (1, 9), (5, 7), (16, 33)):
+                assert e._fused_prefill(0, torch.randint(0, 200, shape))
+    torch._dynamo.reset()

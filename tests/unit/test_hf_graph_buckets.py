@@ -28,7 +28,9 @@ def test_buckets_hold_their_sizes_and_pad_by_less_than_a_step():
 
 
 def test_buckets_lists_each_bucket_once_in_order():
-    assert buckets(384, row_bucket) == [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 320, 384]
+    # No bucket of one row (compiled code specialises a size of 1) unless one row is all.
+    assert buckets(384, row_bucket) == [2, 4, 8, 16, 32, 64, 128, 192, 256, 320, 384]
+    assert buckets(1, row_bucket) == [1]
     assert buckets(2048, width_bucket)[:5] == [64, 128, 256, 512, 768]
     assert buckets(100, row_bucket)[-1] == 100
     every = {row_bucket(n, 384) for n in range(1, 385)}
@@ -48,4 +50,4 @@ def test_warm_up_captures_every_shape_a_decode_step_can_run_and_no_other():
         }
         assert len(shapes) == len(set(shapes)) and set(shapes) == reachable
     # arith on one engine: 48 groups x 8 samples in flight, 128 + 64 + 1 positions.
-    assert len(warm_up_shapes(384, warm_up_widths(193, 2048))) == 12 * 3
+    assert len(warm_up_shapes(384, warm_up_widths(193, 2048))) == 11 * 3

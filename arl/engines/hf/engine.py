@@ -928,6 +928,10 @@ class HFEngine:
         functions; False where they cannot run here (as `_forward_decode` falls back)."""
         fused, cache = self._fused, self._cache
         assert fused is not None
+        if ids.numel() == 1:
+            # A one-token prefill runs as two (the pad's key and value land where the row's
+            # first decode step writes): compiled code specialises a size of 1.
+            ids = torch.nn.functional.pad(ids, (0, 1))
         rows, width = ids.shape
         shape = (fused.kv_heads, fused.dim, self.dtype, self.device)
 

@@ -30,6 +30,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from arl.engines.hf.attention import grouped_decode_attention
+from arl.engines.hf.graphs import row_bucket
 from arl.engines.hf.kv_cache import SlotKVCache
 
 logger = logging.getLogger(__name__)
@@ -211,9 +212,10 @@ def flex_decode(
     """The block-mask buffers and the attention call of a flex-decoding engine, or None (with a
     warning) where the compiled kernel fails on this machine: the engine then keeps SDPA.
 
-    ``compiled`` runs the attention of a one-row decode step at ``width`` KV positions now (on
-    the returned mask: a step of that shape later reuses what this compiled), so that a machine
-    without Triton or a C++ compiler falls back here rather than a generation step later.
+    ``compiled`` runs the attention of a decode step of the smallest row bucket at ``width`` KV
+    positions now (on the returned mask: a step of that shape later reuses what this compiled),
+    so that a machine without Triton or a C++ compiler falls back here rather than a generation
+    step later.
     """
     heads, kv_heads, dim = head_shape(model.config)
     mask = FlexDecodeMask(max_rows, heads // kv_heads, device)
@@ -221,13 +223,14 @@ def flex_decode(
         logger.info("flex decode attention uncompiled: torch's reference reads every position")
         return mask, _eager_flex
     param = next(model.parameters())
+    rows = row_bucket(1, max_rows)
     try:
-        mask.update(torch.tensor([KV_BLOCK // 2], device=device))
-        q = torch.zeros(1, kv_heads, heads // kv_heads, dim, dtype=param.dtype, device=device)
+        mask.update(torch.full((rows,), KV_BLOCK // 2, device=device))
+        q = torch.zeros(rows, kv_heads, heads // kv_heads, dim, dtype=param.dtype, device=device)
         # Keys and values apart, as a step passes them: aliased inputs compile separately.
-        k = torch.zeros(1, kv_heads, width, dim, dtype=param.dtype, device=device)
+        k = torch.zeros(rows, kv_heads, width, dim, dtype=param.dtype, device=device)
         with torch.no_grad():
-            _run_compiled(q, k, torch.zeros_like(k), mask.block_mask(1, width), dim**-0.5)
+            _run_compiled(q, k, torch.zeros_like(k), mask.block_mask(rows, width), dim**-0.5)
     except Exception as exc:  # noqa: BLE001 - any compiler failure: keep SDPA
         # The first line names the cause; the rest is the compiler's whole graph dump.
         why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ class FusedDecoder:
 
         def attn_in(
             x: torch.Tensor,
-            delta: torch.Tensor | None,
+            delta: torch.Tensor,
             norm_w: torch.Tensor,
             qkv_w: torch.Tensor,
             qkv_b: torch.Tensor | None,
@@ -157,8 +158,7 @@ class FusedDecoder:
             cos: torch.Tensor,
             sin: torch.Tensor,
         ) -> tuple[torch.Tensor, ...]:
-            if delta is not None:
-                x = x + delta
+            x = x + delta
             qkv = F.linear(_rms(x, norm_w, eps), qkv_w, qkv_b)
             n = x.shape[0]
             q = qkv[:, :q_size].view(n, heads, dim)
@@ -196,7 +196,7 @@ class FusedDecoder:
         self,
         i: int,
         x: torch.Tensor,
-        delta: torch.Tensor | None,
+        delta: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
@@ -245,11 +245,23 @@ class FusedDecoder:
         ``attend(q, layer, rows, width)`` attends to the cache."""
         if not self.bound:
             raise RuntimeError("FusedDecoder.forward after release(): bind() it first")
+        with _no_duck_sizing():
+            return self._forward(tokens, positions, write_kv, attend, rows, width)
+
+    def _forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        write_kv: Callable[[int, torch.Tensor, torch.Tensor], None],
+        attend: Attend,
+        rows: int,
+        width: int,
+    ) -> torch.Tensor:
         inner = self.model.model
         x = inner.embed_tokens(tokens)
         # [n, 1, dim]: one position per row, broadcast over the heads
         cos, sin = inner.rotary_emb(x[:, None, :], position_ids=positions[:, None])
-        delta = None
+        delta = _no_delta(x)
         for i in range(len(self.layers)):
             x, q, k, v = self._layer_in(i, x, delta, cos, sin)
             write_kv(i, k, v)
@@ -271,13 +283,19 @@ class FusedDecoder:
         """
         if not self.bound:
             raise RuntimeError("FusedDecoder.prefill after release(): bind() it first")
+        with _no_duck_sizing():
+            self._prefill(ids, write_kv)
+
+    def _prefill(
+        self, ids: torch.Tensor, write_kv: Callable[[int, torch.Tensor, torch.Tensor], None]
+    ) -> None:
         rows, width = ids.shape
         heads, kv_heads, dim, group = self.heads, self.kv_heads, self.dim, self.group
         inner = self.model.model
         x = inner.embed_tokens(ids.reshape(-1))  # [rows * width, hidden]: one token per row
         positions = torch.arange(width, device=ids.device).repeat(rows)
         cos, sin = inner.rotary_emb(x[:, None, :], position_ids=positions[:, None])
-        delta = None
+        delta = _no_delta(x)
         last = len(self.layers) - 1
         for i in range(len(self.layers)):
             x, q, k, v = self._layer_in(i, x, delta, cos, sin)
@@ -295,6 +313,20 @@ class FusedDecoder:
             # the compiled function would guard on), so prefill reuses decode's compilation.
             out = out.transpose(1, 2).reshape(rows * width, kv_heads, group, dim).clone()
             x, delta = self._layer_out(i, x, out)
+
+
+def _no_duck_sizing() -> Any:
+    """While the fused functions run (and compile): no "duck sizing", which gives sizes equal
+    at the first compilation one symbol, so that a batch of 2 rows of a model with 2 KV heads
+    would compile code valid only while rows == KV heads, and every other batch would compile
+    again. Off, each size is its own symbol and one compilation serves every batch."""
+    return fx_config.patch(use_duck_shape=False)
+
+
+def _no_delta(x: torch.Tensor) -> torch.Tensor:
+    """The first layer's residual delta: zeros, so that every layer calls `attn_in` with a
+    tensor (a ``None`` there would be one more compilation of it, seconds at start-up)."""
+    return torch.zeros_like(x)
 
 
 def _fuse(params: list[torch.Tensor]) -> torch.Tensor:

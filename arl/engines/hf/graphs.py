@@ -30,8 +30,10 @@ def bucket(n: int, floor: int, cap: int, step: int | None = None) -> int:
     return min(cap, 1 << (n - 1).bit_length())
 
 
-# Rows: powers of two up to 64, then multiples of 64 (293 rows run as 320, not 512).
-ROW_STEP = 64
+# Rows: powers of two from 2 up to 64, then multiples of 64 (293 rows run as 320, not 512).
+# One row runs as two: compiled code specialises a size of 1, so a bucket of one row would
+# compile every fused function once more (seconds at start-up) for steps that cost the same.
+ROW_FLOOR, ROW_STEP = 2, 64
 # KV positions: powers of two from 64 up to 512, then multiples of 256. A decode step reads the
 # whole KV width of every row, so the width's padding costs bandwidth in proportion.
 WIDTH_FLOOR, WIDTH_STEP = 64, 256
@@ -39,7 +41,7 @@ WIDTH_FLOOR, WIDTH_STEP = 64, 256
 
 def row_bucket(n: int, cap: int) -> int:
     """The rows a decode graph runs for ``n`` active rows."""
-    return bucket(n, 1, cap, ROW_STEP)
+    return bucket(n, ROW_FLOOR, cap, ROW_STEP)
 
 
 def width_bucket(n: int, cap: int) -> int:
