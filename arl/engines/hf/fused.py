@@ -33,6 +33,7 @@ same order as transformers' modules, which the CPU tests compare token for token
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -319,7 +320,10 @@ def _no_duck_sizing() -> Any:
     """While the fused functions run (and compile): no "duck sizing", which gives sizes equal
     at the first compilation one symbol, so that a batch of 2 rows of a model with 2 KV heads
     would compile code valid only while rows == KV heads, and every other batch would compile
-    again. Off, each size is its own symbol and one compilation serves every batch."""
+    again. Off, each size is its own symbol and one compilation serves every batch (a torch
+    without the setting keeps duck sizing: the same results, compiled a few more times)."""
+    if not hasattr(fx_config, "use_duck_shape"):
+        return contextlib.nullcontext()
     return fx_config.patch(use_duck_shape=False)
 
 
