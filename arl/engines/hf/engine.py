@@ -200,8 +200,9 @@ class HFEngine:
         # None where compilation failed (warned): the engine decodes with SDPA.
         self._flex = None
         if decode_attention == "flex":
-            # The probe compiles the shape the warm-up's first graph runs (one row at the whole
-            # width), which that graph then reuses, rather than a shape no step runs.
+            # The probe compiles the shape the warm-up's first graph runs (the smallest row
+            # bucket at the whole width), which that graph then reuses, rather than a shape no
+            # step runs.
             width = KV_BLOCK
             if warm_up_len and self.cuda_graphs:
                 width = warm_up_width(max_batch_size, max_seq_len, warm_up_len)
