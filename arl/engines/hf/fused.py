@@ -33,7 +33,7 @@ same order as transformers' modules, which the CPU tests compare token for token
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -89,6 +89,24 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _no_duck_sizing(fn: Callable) -> Callable:
+    """``fn`` run without "duck sizing" while the fused functions it calls run (and compile).
+    Duck sizing gives sizes equal at the first compilation one symbol, so that a batch of 2 rows
+    of a model with 2 KV heads would compile code valid only while rows == KV heads, and every
+    other batch would compile again. Off, each size is its own symbol and one compilation serves
+    every batch (a torch without the setting keeps duck sizing: the same results, compiled a
+    few more times)."""
+    if not hasattr(fx_config, "use_duck_shape"):
+        return fn
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with fx_config.patch(use_duck_shape=False):
+            return fn(*args, **kwargs)
+
+    return run
 
 
 class FusedDecoder:
@@ -232,6 +250,7 @@ class FusedDecoder:
             layer.mlp.down_proj.weight,
         )
 
+    @_no_duck_sizing
     def forward(
         self,
         tokens: torch.Tensor,
@@ -246,18 +265,6 @@ class FusedDecoder:
         ``attend(q, layer, rows, width)`` attends to the cache."""
         if not self.bound:
             raise RuntimeError("FusedDecoder.forward after release(): bind() it first")
-        with _no_duck_sizing():
-            return self._forward(tokens, positions, write_kv, attend, rows, width)
-
-    def _forward(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        write_kv: Callable[[int, torch.Tensor, torch.Tensor], None],
-        attend: Attend,
-        rows: int,
-        width: int,
-    ) -> torch.Tensor:
         inner = self.model.model
         x = inner.embed_tokens(tokens)
         # [n, 1, dim]: one position per row, broadcast over the heads
@@ -269,6 +276,7 @@ class FusedDecoder:
             x, delta = self._layer_out(i, x, attend(q, i, rows, width))
         return self._head(x, delta, inner.norm.weight, self.model.lm_head.weight)
 
+    @_no_duck_sizing
     def prefill(
         self, ids: torch.Tensor, write_kv: Callable[[int, torch.Tensor, torch.Tensor], None]
     ) -> None:
@@ -284,12 +292,6 @@ class FusedDecoder:
         """
         if not self.bound:
             raise RuntimeError("FusedDecoder.prefill after release(): bind() it first")
-        with _no_duck_sizing():
-            self._prefill(ids, write_kv)
-
-    def _prefill(
-        self, ids: torch.Tensor, write_kv: Callable[[int, torch.Tensor, torch.Tensor], None]
-    ) -> None:
         rows, width = ids.shape
         heads, kv_heads, dim, group = self.heads, self.kv_heads, self.dim, self.group
         inner = self.model.model
@@ -314,17 +316,6 @@ class FusedDecoder:
             # the compiled function would guard on), so prefill reuses decode's compilation.
             out = out.transpose(1, 2).reshape(rows * width, kv_heads, group, dim).clone()
             x, delta = self._layer_out(i, x, out)
-
-
-def _no_duck_sizing() -> Any:
-    """While the fused functions run (and compile): no "duck sizing", which gives sizes equal
-    at the first compilation one symbol, so that a batch of 2 rows of a model with 2 KV heads
-    would compile code valid only while rows == KV heads, and every other batch would compile
-    again. Off, each size is its own symbol and one compilation serves every batch (a torch
-    without the setting keeps duck sizing: the same results, compiled a few more times)."""
-    if not hasattr(fx_config, "use_duck_shape"):
-        return contextlib.nullcontext()
-    return fx_config.patch(use_duck_shape=False)
 
 
 def _no_delta(x: torch.Tensor) -> torch.Tensor:
