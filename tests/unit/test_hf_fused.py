@@ -248,6 +248,9 @@ def test_each_fused_function_compiles_once_for_every_step_and_prefill(
     with HFEngine(model_dir, max_batch_size=rows, max_seq_len=64, decode_attention="sdpa") as e:
         e._fused = FusedDecoder(e._model, compiled=True)
         e._cache.reserve(rows, 64)
+        with torch.no_grad():
+            # A prefill first, as an engine runs them: its inputs set the first guards.
+            assert e._fused_prefill(0, torch.randint(0, 200, (3, 5)))
         with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
             for n in buckets(rows, row_bucket):
                 e._pos[:n] = torch.arange(n) % 8

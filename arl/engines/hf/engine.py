@@ -933,16 +933,13 @@ class HFEngine:
             # A one-token prefill runs as two (the pad's key and value land where the row's
             # first decode step writes): compiled code specialises a size of 1.
             ids = torch.nn.functional.pad(ids, (0, 1))
-        rows, width = ids.shape
         shape = (fused.kv_heads, fused.dim, self.dtype, self.device)
 
-        def write_kv(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            keys, values = cache.layer(layer, *shape)
-            keys[row0 : row0 + rows, :, :width] = k
-            values[row0 : row0 + rows, :, :width] = v
+        def kv_of(layer: int) -> torch.Tensor:
+            return cache.layer_kv(layer, *shape)
 
         try:
-            fused.prefill(ids, write_kv)
+            fused.prefill(ids, row0, kv_of)
         except Exception as exc:
             if self._fused_ok:
                 raise
@@ -1062,10 +1059,8 @@ class HFEngine:
         shape = (fused.kv_heads, fused.dim, self.dtype, self.device)
         scale = fused.scale
 
-        def write_kv(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            keys, values = cache.layer(layer, *shape)
-            keys[idx, :, pos] = k
-            values[idx, :, pos] = v
+        def kv_of(layer: int) -> torch.Tensor:
+            return cache.layer_kv(layer, *shape)
 
         if self._flex is None:
             allowed = self._kv_arange[None, :width] <= pos[:, None]
@@ -1086,7 +1081,10 @@ class HFEngine:
                 k, v = cache.keys[layer][:rows, :, :width], cache.values[layer][:rows, :, :width]
                 return flex_attend(q, k, v, block_mask, scale)
 
-        logits = fused.forward(self._next_tok[:rows], pos, write_kv, attend, rows, width)
+        # Detached: views of the engine's buffers would make the compiled function guard on those
+        # buffers' sizes, which prefill's own position tensors do not have.
+        tokens, pos, idx = self._next_tok[:rows], pos.detach(), idx.detach()
+        logits = fused.forward(tokens, pos, idx, kv_of, attend, rows, width)
         self._fused_ok = True
         return logits
 

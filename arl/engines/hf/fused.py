@@ -9,8 +9,10 @@ medium batches the step costs ~2 ms whatever it reads (profiled on an H200: 825 
 functions per layer that ``torch.compile`` fuses (on CUDA):
 
 - ``attn_in``: the previous layer's residual add, RMSNorm, one projection for q, k and v
-  together, the Qwen3 q/k norms and the rotary embedding;
-- the KV-cache write and the attention, which stay the engine's (flex or SDPA);
+  together, the Qwen3 q/k norms, the rotary embedding and the write of the new keys and values
+  into the layer's KV cache (one store inside the kernel that computes them, in place: the
+  layer's cache is a contiguous ``[2, rows, kv_heads, positions, dim]`` buffer);
+- the attention, which stays the engine's (flex or SDPA);
 - ``attn_out``: the output projection, the residual add, RMSNorm, one projection for the MLP's
   gate and up halves, SiLU-and-multiply, and the down projection (its residual add is the next
   layer's, or the final norm's).
@@ -49,6 +51,8 @@ _NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 
 # attend(q [n, kv_heads, group, dim], layer, rows, width) -> [n, kv_heads, group, dim]
 Attend = Callable[[torch.Tensor, int, int, int], torch.Tensor]
+# kv_of(layer) -> the layer's KV cache [2 (keys, values), rows, kv_heads, positions, dim]
+KVOf = Callable[[int], torch.Tensor]
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -176,7 +180,10 @@ class FusedDecoder:
             k_norm_w: torch.Tensor | None,
             cos: torch.Tensor,
             sin: torch.Tensor,
-        ) -> tuple[torch.Tensor, ...]:
+            kv: torch.Tensor,
+            kv_rows: torch.Tensor,
+            kv_pos: torch.Tensor,
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             x = x + delta
             qkv = F.linear(_rms(x, norm_w, eps), qkv_w, qkv_b)
             n = x.shape[0]
@@ -187,7 +194,10 @@ class FusedDecoder:
                 q, k = _rms(q, q_norm_w, eps), _rms(k, k_norm_w, eps)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            return x, q.reshape(n, kv_heads, group, dim), k, v
+            # Token j's key and value to cache row kv_rows[j], position kv_pos[j]. Compiled, this
+            # is a store of the kernel computing them (the cache is mutated in place).
+            kv[:, kv_rows, :, kv_pos] = torch.stack((k, v), dim=1)
+            return x, q.reshape(n, kv_heads, group, dim)
 
         def attn_out(
             x: torch.Tensor,
@@ -218,8 +228,12 @@ class FusedDecoder:
         delta: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, ...]:
-        """Layer ``i``'s `attn_in` on its weights: the residual stream, q, k and v."""
+        kv: torch.Tensor,
+        kv_rows: torch.Tensor,
+        kv_pos: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s `attn_in` on its weights: the residual stream and q; the keys and
+        values go into ``kv`` (the layer's cache) at rows ``kv_rows``, positions ``kv_pos``."""
         a = self.layers[i].self_attn
         qkv_w, qkv_b = self._qkv[i]
         q_norm = getattr(a, "q_norm", None)
@@ -234,6 +248,9 @@ class FusedDecoder:
             None if k_norm is None else k_norm.weight,
             cos,
             sin,
+            kv,
+            kv_rows,
+            kv_pos,
         )
 
     def _layer_out(
@@ -255,14 +272,15 @@ class FusedDecoder:
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        write_kv: Callable[[int, torch.Tensor, torch.Tensor], None],
+        cache_rows: torch.Tensor,
+        kv_of: KVOf,
         attend: Attend,
         rows: int,
         width: int,
     ) -> torch.Tensor:
-        """Logits [n, vocab] of one decode token per row: ``tokens`` [n] at ``positions`` [n];
-        ``write_kv(layer, k, v)`` stores each layer's new keys/values ([n, kv_heads, dim]) and
-        ``attend(q, layer, rows, width)`` attends to the cache."""
+        """Logits [n, vocab] of one decode token per row: ``tokens`` [n] at ``positions`` [n],
+        whose keys and values go to KV-cache rows ``cache_rows`` [n] of each layer's
+        ``kv_of(layer)``; ``attend(q, layer, rows, width)`` attends to the cache."""
         if not self.bound:
             raise RuntimeError("FusedDecoder.forward after release(): bind() it first")
         inner = self.model.model
@@ -271,18 +289,15 @@ class FusedDecoder:
         cos, sin = inner.rotary_emb(x[:, None, :], position_ids=positions[:, None])
         delta = _no_delta(x)
         for i in range(len(self.layers)):
-            x, q, k, v = self._layer_in(i, x, delta, cos, sin)
-            write_kv(i, k, v)
+            x, q = self._layer_in(i, x, delta, cos, sin, kv_of(i), cache_rows, positions)
             x, delta = self._layer_out(i, x, attend(q, i, rows, width))
         return self._head(x, delta, inner.norm.weight, self.model.lm_head.weight)
 
     @_no_duck_sizing
-    def prefill(
-        self, ids: torch.Tensor, write_kv: Callable[[int, torch.Tensor, torch.Tensor], None]
-    ) -> None:
+    def prefill(self, ids: torch.Tensor, row0: int, kv_of: KVOf) -> None:
         """Every layer's keys and values of ``ids`` [rows, width] (prompts right-padded, each
-        at positions 0..width-1) through the same fused functions as decode: ``write_kv(layer,
-        k, v)`` gets them as [rows, kv_heads, width, dim]. No logits: the engine feeds each
+        at positions 0..width-1) through the same fused functions as decode, into KV-cache rows
+        ``row0..row0+rows-1`` of each layer's ``kv_of(layer)``. No logits: the engine feeds each
         prompt's last token as the first decode step's input, so the last layer stops after
         its keys and values.
 
@@ -297,16 +312,18 @@ class FusedDecoder:
         inner = self.model.model
         x = inner.embed_tokens(ids.reshape(-1))  # [rows * width, hidden]: one token per row
         positions = torch.arange(width, device=ids.device).repeat(rows)
+        # Not repeat_interleave, whose result is a view: compiled code guards on an input's base
+        cache_rows = torch.arange(rows * width, device=ids.device) // width + row0
         cos, sin = inner.rotary_emb(x[:, None, :], position_ids=positions[:, None])
         delta = _no_delta(x)
         last = len(self.layers) - 1
         for i in range(len(self.layers)):
-            x, q, k, v = self._layer_in(i, x, delta, cos, sin)
-            k = k.view(rows, width, kv_heads, dim).transpose(1, 2)
-            v = v.view(rows, width, kv_heads, dim).transpose(1, 2)
-            write_kv(i, k, v)
+            kv = kv_of(i)
+            x, q = self._layer_in(i, x, delta, cos, sin, kv, cache_rows, positions)
             if i == last:
                 return
+            # [rows, kv_heads, width, dim]: what this layer just cached
+            k, v = kv[0, row0 : row0 + rows, :, :width], kv[1, row0 : row0 + rows, :, :width]
             # [rows, heads, width, dim]; query head h reads KV head h // group
             q = q.reshape(rows, width, heads, dim).transpose(1, 2)
             if group > 1:

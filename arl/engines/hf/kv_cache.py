@@ -27,8 +27,9 @@ class SlotKVCache:
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         # With ``layers`` (every layer's keys and values of one shape): one buffer
-        # [2, layers, rows, kv_heads, positions, dim] whose slices are the layers' buffers, so
-        # moving rows (compaction) is one copy for the whole model rather than one per layer.
+        # [layers, 2, rows, kv_heads, positions, dim] whose slices are the layers' buffers, so
+        # moving rows (compaction) is one copy for the whole model rather than one per layer,
+        # and each layer's keys and values are one contiguous block (`layer_kv`).
         self._layers = layers
         self._kv: torch.Tensor | None = None
         self._prefill: tuple[int, int, int] | None = None
@@ -90,19 +91,30 @@ class SlotKVCache:
             self.generation += 1
         return self.keys[layer], self.values[layer]
 
+    def layer_kv(
+        self, layer: int, kv_heads: int, dim: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """The keys and values of ``layer`` as one contiguous tensor [2, rows, kv_heads,
+        positions, dim] (a cache made with ``layers`` only), allocated or grown first."""
+        if self._layers is None:
+            raise HFEngineError("SlotKVCache.layer_kv needs a cache made with layers=")
+        self._stacked(layer, kv_heads, dim, dtype, device)
+        assert self._kv is not None
+        return self._kv[layer]
+
     def _stacked(
         self, layer: int, kv_heads: int, dim: int, dtype: torch.dtype, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
         kv = self._kv
         if kv is None or kv.shape[2] < self._rows_cap or kv.shape[4] < self._seq_cap:
             assert self._layers is not None
-            shape = (2, self._layers, self._rows_cap, kv_heads, self._seq_cap, dim)
+            shape = (self._layers, 2, self._rows_cap, kv_heads, self._seq_cap, dim)
             new = torch.zeros(shape, dtype=dtype, device=device)  # zeros: see `layer`
             if kv is not None:
                 new[:, :, : kv.shape[2], :, : kv.shape[4]] = kv
             self._kv = new
-            self.keys = {i: new[0, i] for i in range(self._layers)}
-            self.values = {i: new[1, i] for i in range(self._layers)}
+            self.keys = {i: new[i, 0] for i in range(self._layers)}
+            self.values = {i: new[i, 1] for i in range(self._layers)}
             self.generation += 1
         return self.keys[layer], self.values[layer]
 
