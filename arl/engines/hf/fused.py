@@ -17,7 +17,7 @@ functions per layer that ``torch.compile`` fuses (on CUDA):
   gate and up halves, SiLU-and-multiply, and the down projection (its residual add is the next
   layer's, or the final norm's).
 
-About ten kernels a layer. The functions are compiled once with the batch dimension dynamic,
+About nine kernels a layer. The functions are compiled once with the batch dimension dynamic,
 for every layer and every batch bucket (layers differ only in the tensors passed in). Prefill
 (`FusedDecoder.prefill`) runs the same compiled functions over every prompt token at once, with
 causal SDPA between them: through the modules it cost ~50 ms of host time for 16 prompts whose
