@@ -155,6 +155,11 @@ def test_compaction_moves_every_layer_in_one_copy(model_dir: str) -> None:
             k, v = cache.layer(layer, fused.kv_heads, fused.dim, torch.float32, torch.device("cpu"))
             k.copy_(torch.randn_like(k))
             v.copy_(torch.randn_like(v))
+            # The block the compiled attn_in writes in place: contiguous (a strided view would
+            # make inductor copy it whole on every call), holding this layer's keys and values.
+            kv = cache.layer_kv(layer, fused.kv_heads, fused.dim, torch.float32, k.device)
+            assert kv.is_contiguous() and kv.shape == (2, *k.shape)
+            assert kv[0].data_ptr() == k.data_ptr() and kv[1].data_ptr() == v.data_ptr()
         before = {i: (cache.keys[i].clone(), cache.values[i].clone()) for i in cache.keys}
         cache.move_rows(torch.tensor([0, 1]), torch.tensor([3, 2]), 10)
         for i, (k, v) in before.items():
