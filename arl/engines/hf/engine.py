@@ -927,19 +927,14 @@ class HFEngine:
     def _fused_prefill(self, row0: int, ids: torch.Tensor) -> bool:
         """Prefill ``ids`` [rows, width] into the cache rows from ``row0`` through the fused
         functions; False where they cannot run here (as `_forward_decode` falls back)."""
-        fused, cache = self._fused, self._cache
+        fused = self._fused
         assert fused is not None
         if ids.numel() == 1:
             # A one-token prefill runs as two (the pad's key and value land where the row's
             # first decode step writes): compiled code specialises a size of 1.
             ids = torch.nn.functional.pad(ids, (0, 1))
-        shape = (fused.kv_heads, fused.dim, self.dtype, self.device)
-
-        def kv_of(layer: int) -> torch.Tensor:
-            return cache.layer_kv(layer, *shape)
-
         try:
-            fused.prefill(ids, row0, kv_of)
+            fused.prefill(ids, row0, self._layer_kv)
         except Exception as exc:
             if self._fused_ok:
                 raise
@@ -1051,16 +1046,18 @@ class HFEngine:
         )
         return out.logits[:, -1, :]
 
+    def _layer_kv(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s keys and values in the cache, one block the fused step writes."""
+        fused = self._fused
+        assert fused is not None
+        return self._cache.layer_kv(layer, fused.kv_heads, fused.dim, self.dtype, self.device)
+
     def _fused_decode(self, rows: int, width: int) -> torch.Tensor:
         """`_forward_decode` through the fused functions: the same logits in fewer kernels."""
         fused, cache = self._fused, self._cache
         assert fused is not None
         pos, idx = self._pos[:rows], self._row_idx[:rows]
-        shape = (fused.kv_heads, fused.dim, self.dtype, self.device)
         scale = fused.scale
-
-        def kv_of(layer: int) -> torch.Tensor:
-            return cache.layer_kv(layer, *shape)
 
         if self._flex is None:
             allowed = self._kv_arange[None, :width] <= pos[:, None]
@@ -1084,7 +1081,7 @@ class HFEngine:
         # Detached: views of the engine's buffers would make the compiled function guard on those
         # buffers' sizes, which prefill's own position tensors do not have.
         tokens, pos, idx = self._next_tok[:rows], pos.detach(), idx.detach()
-        logits = fused.forward(tokens, pos, idx, kv_of, attend, rows, width)
+        logits = fused.forward(tokens, pos, idx, self._layer_kv, attend, rows, width)
         self._fused_ok = True
         return logits
 
