@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from arl.bytecode import cache_bytecode
 from arl.ckpt.stop import RunStopped, StopRequest, signal_name
 from arl.config import Config, ConfigError, apply_overrides, help_text, save_resolved, to_yaml
 from arl.control.memory import format_memory_plan
@@ -279,4 +280,5 @@ class _StopSignals:
 
 
 if __name__ == "__main__":
+    cache_bytecode()  # before the config check imports torch
     sys.exit(main())

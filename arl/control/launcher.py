@@ -46,7 +46,7 @@ def node_command(
     python: str = sys.executable,
 ) -> list[str]:
     """The command line that starts one node."""
-    cmd = [python, "-m", "arl.node.daemon", "--controller", controller]
+    cmd = [python, "-m", "arl.node", "--controller", controller]
     if node_id:
         cmd += ["--node-id", node_id]
     for p in allowed_prefixes:

@@ -7,7 +7,7 @@ goes over arl's own ZeroMQ sockets, exactly as in the local and Slurm modes.
   ``{"GPU": g}`` for a node with ``g`` GPUs. A bundle never spans hosts, so the GPUs of one
   tensor-parallel inference replica stay together; ``cluster.ray_placement_strategy`` says how
   the bundles spread (PACK by default). The group is removed when the run ends.
-- Each node's actor (`NodeProcess`) starts the same ``python -m arl.node.daemon`` program as
+- Each node's actor (`NodeProcess`) starts the same ``python -m arl.node`` program as
   the other launchers, as a subprocess, rather than running the daemon inside the actor: the
   daemon keeps its own event loop, signal handlers and ``os._exit``, and Ray's worker keeps its.
   Ray sets the subprocess's CUDA_VISIBLE_DEVICES to the GPUs it granted the actor.

@@ -262,7 +262,7 @@ def test_secret_never_appears_in_logs_repr_or_process_listings(capfd):
     # The captures are real: DEBUG lines from the authenticators on both sides are in them.
     assert "zmq.auth ALLOWED (PLAIN)" in controller_log
     assert "zmq.auth ALLOWED (PLAIN)" in node_stderr  # logged at DEBUG only
-    assert all(b"arl.node.daemon" in c for c in cmdlines)
+    assert all(b"-m\0arl.node\0" in c for c in cmdlines)
     assert secret not in controller_log
     assert secret not in node_stderr
     assert not any(secret.encode() in c for c in cmdlines)

@@ -181,7 +181,7 @@ def test_ray_actors_run_the_nodes_and_nothing_is_left(ray_driver, ray_head):
                     pid = await echo.pid()
                     assert pid == nodes.infos[h.node_id]["pid"]
                     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-                    assert b"arl.node.daemon" in cmdline
+                    assert b"-m\0arl.node\0" in cmdline
                     assert security.secret.encode() not in cmdline  # the secret is in its env
                     assert ray.get_actor(nodes.actor_name(h.node_id), namespace="arl-test")
                 # Each node reserved its role's CPUs through the placement group.
