@@ -268,3 +268,28 @@ def test_the_build_probe_compiles_the_shape_the_first_decode_graph_runs(
                 assert len(compiled) == 2
     finally:
         torch._dynamo.reset()
+
+
+def test_a_compiler_failure_without_a_message_still_falls_back(
+    tiny: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bare ``AssertionError()`` from inside torch.compile (torch 2.11's experimental
+    precompile loader raised one) gives the same warning and fallback as any compiler failure,
+    at the build's probe and at a later shape, rather than an IndexError from its empty
+    message."""
+
+    def fails(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError()
+
+    monkeypatch.setattr(flex, "_run_compiled", fails)
+    monkeypatch.setattr(flex, "_BROKEN", False)
+    with HFEngine(tiny, max_batch_size=4, max_seq_len=256) as e, caplog.at_level(logging.WARNING):
+        assert flex.flex_decode(e._model, e.device, 4, True, 64) is None
+    assert "torch.compile of flex_attention failed (AssertionError); decoding with SDPA" in (
+        caplog.text
+    )
+    q, k, v = _decode_inputs(seed=4)
+    out = _flex(q, k, v, _mask(64), _compiled_flex)
+    assert flex._BROKEN
+    assert "(AssertionError); eager from here" in caplog.text
+    assert (out - _sdpa(q, k, v)).abs().max().item() < 1e-5

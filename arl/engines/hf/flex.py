@@ -124,6 +124,13 @@ def _run_compiled(
 _BROKEN = False  # compiled flex failed at a shape after the build's probe passed
 
 
+def _first_line(exc: BaseException) -> str:
+    """The exception's kind and the first line of its message, which names the cause (the rest
+    of a compiler's message is its whole graph dump); an empty message gives the kind alone."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__
+
+
 def _compiled_flex(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: BlockMask, scale: float
 ) -> torch.Tensor:
@@ -134,8 +141,7 @@ def _compiled_flex(
         except Exception as exc:  # noqa: BLE001 - a shape the build's probe did not cover
             # Compilation runs in the eager passes before a graph is captured, so the reference
             # can stand in from here on: slower (it reads every position), but rollout goes on.
-            why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
-            shape = tuple(query.shape)
+            why, shape = _first_line(exc), tuple(query.shape)
             logger.warning("compiled flex_attention failed at %s (%s); eager from here", shape, why)
             _BROKEN = True
     return _eager_flex(query, key, value, mask, scale)
@@ -232,8 +238,7 @@ def flex_decode(
         with torch.no_grad():
             _run_compiled(q, k, torch.zeros_like(k), mask.block_mask(rows, width), dim**-0.5)
     except Exception as exc:  # noqa: BLE001 - any compiler failure: keep SDPA
-        # The first line names the cause; the rest is the compiler's whole graph dump.
-        why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+        why = _first_line(exc)
         logger.warning("torch.compile of flex_attention failed (%s); decoding with SDPA", why)
         return None
     return mask, _compiled_flex
