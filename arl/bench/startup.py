@@ -1,13 +1,15 @@
 """``python -m arl.bench startup``: a recipe's start-up, cold (empty compile cache) and warm.
 
 Runs ``python -m arl.launch RECIPE`` twice as a user does, each in a fresh run folder: first
-with an empty compile cache (``ARL_CACHE`` pointed at a fresh folder, `arl.compile_cache`), then
-again on the cache the first run filled. For each it prints the seconds from launch to the end
+with an empty compile cache (``ARL_CACHE`` pointed at a fresh folder, `arl.compile_cache`; no
+bytecode kept there either, `arl.bytecode`), then again on the cache the first run filled. For each it prints the seconds from launch to the end
 of step 1 (``first_step_s``, the first row of ``metrics.jsonl``) and to the launcher's exit, and
 the start-up phases the run's log tells (the nodes log at INFO: when they joined, the engine's
 load / compile / graph capture, each train rank's load and priming, its warm-up), beside their
-floors measured in the same run: ``python -c "import torch, transformers"`` and the model's load
-alone (``from_pretrained`` onto the device, in a fresh process after those imports).
+floors measured in the same run, after both runs and in their environment: ``import torch,
+transformers`` in a fresh process that starts as arl's processes do (`arl.bytecode`: where
+Python keeps no bytecode, the runs' cache holds it by then), and the model's load alone
+(``from_pretrained`` onto the device, in a fresh process after those imports).
 
 The model is resolved once here and passed as ``actor.path`` to both runs, so the fresh cache
 holds only compiled code; ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` are dropped from
@@ -66,8 +68,13 @@ _KEYS = {
     "train_warm_up": ("took_s",),
 }
 
+_FLOOR_IMPORT = (
+    "from arl.bytecode import cache_bytecode; cache_bytecode(); import torch, transformers"
+)
 _FLOOR_LOAD = """
 import sys, time
+from arl.bytecode import cache_bytecode
+cache_bytecode()
 import torch, transformers
 t0 = time.perf_counter()
 from transformers import AutoModelForCausalLM
@@ -166,7 +173,12 @@ def report(cold: dict, warm: dict, floors: dict) -> str:
     """The table: one row per phase, cold and warm, the floor beside it."""
     load_floor = floors["model_load_s"]
     rows: list[tuple[str, float | None, float | None, float | None]] = [
-        ("import torch, transformers (a fresh process)", None, None, floors["import_s"])
+        (
+            "import torch, transformers (a fresh process, as arl starts one)",
+            None,
+            None,
+            floors["import_s"],
+        )
     ]
     for label, name, key in _TABLE:
         c, w = (r["phases"].get(name, {}).get(key) for r in (cold, warm))
@@ -187,17 +199,19 @@ def report(cold: dict, warm: dict, floors: dict) -> str:
     return "\n".join(lines)
 
 
-def measure_floors(model_path: str, device: str) -> dict:
-    """Seconds of ``import torch, transformers`` in a fresh process, and of the model's load
-    alone onto ``device`` (a fresh process, after those imports)."""
+def measure_floors(model_path: str, device: str, env: dict | None = None) -> dict:
+    """Seconds of ``import torch, transformers`` in a fresh process started as arl's are, and
+    of the model's load alone onto ``device`` (a fresh process, after those imports); both in
+    ``env`` (default: this process's)."""
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import torch, transformers"], check=True)
+    subprocess.run([sys.executable, "-c", _FLOOR_IMPORT], check=True, env=env)
     import_s = time.perf_counter() - t0
     r = subprocess.run(
         [sys.executable, "-c", _FLOOR_LOAD, model_path, device],
         check=True,
         capture_output=True,
         text=True,
+        env=env,
     )
     return {"import_s": import_s, "model_load_s": float(r.stdout.strip().splitlines()[-1])}
 
@@ -249,7 +263,6 @@ def main(argv: list[str] | None = None) -> int:
         if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
     }
     env |= {"ARL_CACHE": str(cache.resolve()), "ARL_LOG_LEVEL": "INFO"}
-    floors = measure_floors(model_path, device)
     runs: dict[str, dict] = {}
     for label in ("cold", "warm"):
         bench = [
@@ -276,11 +289,12 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         runs[label] = summarize_run(rows, log_path.read_text(), t0, t1, rc)
         print(f"  step 1 ended {runs[label]['first_step_s']:.1f} s after launch", flush=True)
+    floors = measure_floors(model_path, device, env)
     stem = Path(a.recipe).stem
     out = results_json(stem, runs["cold"], runs["warm"], floors, a.steps)
     print()
     print(report(runs["cold"], runs["warm"], floors))
-    print(f"\ncompile cache: {cache} ({_size_mb(cache):.0f} MB after both runs)")
+    print(f"\narl cache (compiled code): {cache} ({_size_mb(cache):.0f} MB after both runs)")
     print(f"command: python -m arl.bench startup {' '.join(args)}")
     if a.out is not None:
         a.out.write_text(json.dumps(out, indent=1) + "\n")
