@@ -23,8 +23,11 @@ def test_startup_bench_times_both_launches_phase_by_phase(tmp_path, capsys):
         run = m[label]
         assert 0 < run["setup_done_s"] < run["first_step_s"] <= run["launch_to_exit_s"]
         assert set(run["phases"]) == {
+            "config_saved",
             "nodes_joined",
+            "rollout_setup",
             "engine_ready",
+            "train_created",
             "train_ready",
             "train_warm_up",
         }
