@@ -2,14 +2,15 @@
 
 Runs ``python -m arl.launch RECIPE`` twice as a user does, each in a fresh run folder: first
 with an empty compile cache (``ARL_CACHE`` pointed at a fresh folder, `arl.compile_cache`; no
-bytecode kept there either, `arl.bytecode`), then again on the cache the first run filled. For each it prints the seconds from launch to the end
-of step 1 (``first_step_s``, the first row of ``metrics.jsonl``) and to the launcher's exit, and
-the start-up phases the run's log tells (the nodes log at INFO: when they joined, the engine's
-load / compile / graph capture, each train rank's load and priming, its warm-up), beside their
-floors measured in the same run, after both runs and in their environment: ``import torch,
-transformers`` in a fresh process that starts as arl's processes do (`arl.bytecode`: where
-Python keeps no bytecode, the runs' cache holds it by then), and the model's load alone
-(``from_pretrained`` onto the device, in a fresh process after those imports).
+bytecode kept there either, `arl.bytecode`), then again on the cache the first run filled. For
+each it prints the seconds from launch to the end of step 1 (``first_step_s``, the first row of
+``metrics.jsonl``) and to the launcher's exit, and the start-up phases the run's log tells (the
+nodes log at INFO: when they joined, the engine's load / compile / graph capture, each train
+rank's load and priming, its warm-up), beside their floors measured in the same run, after both
+runs and in their environment: ``import torch, transformers`` in a fresh process that starts as
+arl's processes do (`arl.bytecode`: where Python keeps no bytecode, the runs' cache holds it by
+then), and the model's load alone (``from_pretrained`` onto the device, in a fresh process after
+those imports).
 
 The model is resolved once here and passed as ``actor.path`` to both runs, so the fresh cache
 holds only compiled code; ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` are dropped from

@@ -550,7 +550,7 @@ def default_node_id() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `arl-node` console script."""
+    """The daemon's command line (``arl-node`` runs it through `arl.node.__main__`)."""
     a = _parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     security = Security.from_env(a.secret_file, curve=a.curve)
