@@ -1,6 +1,6 @@
 """The arl cache directory, shared by what arl keeps between runs: converted models and their
-wheels (`arl.engines.model`), compiled code (`arl.compile_cache`) and, where Python keeps none,
-bytecode (`arl.bytecode`)."""
+wheels (`arl.engines.model`), compiled code (`arl.compile_cache`, `arl.precompile`) and, where
+Python keeps none, bytecode (`arl.bytecode`)."""
 
 from __future__ import annotations
 

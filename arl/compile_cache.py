@@ -16,7 +16,9 @@ and so is a user's ``TORCHINDUCTOR_FX_GRAPH_CACHE=0`` or ``TORCHINDUCTOR_AUTOGRA
 Settings go through the environment, so inductor's compile workers inherit them.
 
 Dynamo still traces each compiled function on every run (seconds, not the minutes of code
-generation); the CUDA graphs an engine captures are not cached (they hold device addresses).
+generation), except those compiled through `arl.precompile`, which keeps them whole beside this
+folder's contents (``precompiled/``); the CUDA graphs an engine captures are not cached (they
+hold device addresses).
 """
 
 from __future__ import annotations

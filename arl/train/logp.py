@@ -19,6 +19,7 @@ import torch
 from arl.algo.losses import token_logp_entropy
 from arl.algo.packing import pack_rows, unpack_values
 from arl.config import ConfigError
+from arl.precompile import precompiled
 
 log = logging.getLogger(__name__)
 
@@ -289,7 +290,9 @@ def _compiled_or_eager(fn):
     """``fn`` compiled (dynamic chunk sizes). If its first call fails to compile (e.g. no
     Triton), the eager ``fn`` from then on, with one warning, so the head works wherever torch
     does; later errors (out of memory, say) are raised as they are."""
-    state = {"fn": torch.compile(fn, dynamic=True), "proven": False}
+    # Kept under ARL_CACHE (arl.precompile): a later run loads it instead of tracing it.
+    kept = precompiled(fn, name=f"train.logp.{fn.__name__}", dynamic=True)
+    state = {"fn": kept, "proven": False}
 
     def call(*args):
         if state["proven"]:

@@ -190,12 +190,14 @@ def test_config_refuses_an_unknown_decode_attention() -> None:
 
 
 def test_flex_falls_back_to_sdpa_where_it_cannot_compile(
-    tiny: str, caplog: pytest.LogCaptureFixture
+    tiny: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No working C++ compiler (inductor's own check finds none): one warning at build, then the
-    engine decodes with SDPA and says so."""
+    """No working C++ compiler (inductor's own check finds none) and nothing compiled kept: one
+    warning at build, then the engine decodes with SDPA and says so."""
     import torch._inductor.config as inductor_config
 
+    monkeypatch.setenv("ARL_PRECOMPILE", "0")  # kernels kept by earlier tests would load
+    monkeypatch.setattr(flex, "_COMPILED", None)
     torch._dynamo.reset()  # kernels compiled by earlier tests would hide the missing compiler
     try:
         no_compiler = {"cpp.cxx": ("/nonexistent/g++",), "fx_graph_cache": False}
@@ -217,6 +219,8 @@ def test_a_shape_that_fails_to_compile_after_the_build_decodes_eagerly(
     step, and every later one, runs torch's reference with one warning, and rollout goes on."""
     import torch._inductor.config as inductor_config
 
+    monkeypatch.setenv("ARL_PRECOMPILE", "0")  # a kernel kept by an earlier run would load
+    monkeypatch.setattr(flex, "_COMPILED", None)
     monkeypatch.setattr(flex, "_BROKEN", False)
     q, k, v = _decode_inputs(seed=3)
     mask = _mask(64)
@@ -241,7 +245,6 @@ def test_the_build_probe_compiles_the_shape_the_first_decode_graph_runs(
     warm-up's width on the engine's own mask, so the warm-up's first graph reuses what it
     compiled; each further row bucket is a shape of its own. Compilations are counted by a
     backend that runs the traced graph."""
-    from torch.nn.attention.flex_attention import flex_attention
 
     compiled: list[int] = []
 
@@ -250,7 +253,7 @@ def test_the_build_probe_compiles_the_shape_the_first_decode_graph_runs(
         return gm.forward
 
     torch._dynamo.reset()
-    counted = torch.compile(flex_attention, dynamic=False, backend=counting)
+    counted = torch.compile(flex._flex_call, dynamic=False, backend=counting)
     monkeypatch.setattr(flex, "_COMPILED", counted)
     monkeypatch.setattr(flex, "_BROKEN", False)
     try:

@@ -13,10 +13,11 @@ position buffer by the step itself (two small kernels), so the step can be repla
 graph: the per-row lengths (read by the mask function), the per-row block counts, and per shape
 one constant block-index table. `BlockMask.from_kv_blocks` wraps them once per (rows, width).
 
-``flex_attention`` is fused only under ``torch.compile``; `flex_decode` compiles it (once per
-process, a shape per batch bucket and width) and checks that it works on this machine, or
-returns None so that the engine keeps SDPA. Uncompiled (the CPU default) it runs torch's
-reference, which applies the mask to every position: correct, but it reads the whole width.
+``flex_attention`` is fused only under ``torch.compile``; `flex_decode` compiles it (a shape per
+batch bucket and width, kept under ``ARL_CACHE`` by `arl.precompile` so that a later run loads
+them) and checks that it works on this machine, or returns None so that the engine keeps SDPA.
+Uncompiled (the CPU default) it runs torch's reference, which applies the mask to every
+position: correct, but it reads the whole width.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from arl.engines.hf.attention import grouped_decode_attention
 from arl.engines.hf.graphs import row_bucket
 from arl.engines.hf.kv_cache import SlotKVCache
+from arl.precompile import precompiled
 
 logger = logging.getLogger(__name__)
 
@@ -109,16 +111,25 @@ class FlexDecodeMask:
         return mask
 
 
+def _flex_call(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: BlockMask, scale: float
+) -> torch.Tensor:
+    return flex_attention(query, key, value, block_mask=mask, scale=scale)
+
+
 def _run_compiled(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: BlockMask, scale: float
 ) -> torch.Tensor:
     global _COMPILED
     if _COMPILED is None:
-        _COMPILED = torch.compile(flex_attention, dynamic=False)
+        # Kept under ARL_CACHE (arl.precompile): a later run loads each shape's kernel instead
+        # of tracing flex_attention again (the mask function is this file's: its hash is in the
+        # key).
+        _COMPILED = precompiled(_flex_call, name="hf.flex_decode", dynamic=False)
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     with config.patch({name: max(getattr(config, name), _RECOMPILE_LIMIT)}):
-        return _COMPILED(query, key, value, block_mask=mask, scale=scale)
+        return _COMPILED(query, key, value, mask, scale)
 
 
 _BROKEN = False  # compiled flex failed at a shape after the build's probe passed

@@ -1,0 +1,321 @@
+"""Compiled functions kept whole under ``ARL_CACHE``, so that a later process neither traces nor
+compiles them again.
+
+`use_compile_cache` keeps inductor's generated code between runs, but dynamo still traces every
+compiled function again in every process before it finds that code (on an H100, ~6 s of a warm
+hf engine's start-up: three fused functions and one flex-attention kernel per batch bucket).
+`precompiled(fn, name=..., dynamic=...)` is a drop-in for ``torch.compile(fn, dynamic=...)``
+that compiles ahead of time at its first call (torch's ``aot_compile``: dynamo's bytecode, its
+guards and inductor's code in one artifact) and saves the result::
+
+    <cache>/compile/torch-<version>/precompiled/<name>-<key>-g<grad mode>-<n>.bin
+
+A later process loads the entries of its key at its first call (milliseconds each) and checks
+their guards on every call instead of tracing: the inputs' dtypes, devices, ranks, strides and
+whatever sizes the compilation specialised. A call no entry accepts compiles one more entry.
+What the guards do not check is in the key: the source file that defines ``fn`` (and any file
+named in ``also``), the values of ``fn``'s closure (model constants such as head counts and the
+norm's epsilon: they are baked into the artifact), the torch and Python versions, the device
+(the CUDA capability and the Triton version, or the CPU's vector ISA) and ``dynamic``; the grad
+mode an entry was compiled under is checked before its guards.
+
+Anything that goes wrong on this path falls back to plain ``torch.compile`` with one warning:
+a torch without ``aot_compile``, a function it cannot trace whole or serialise, an entry that
+does not load. When plain compilation then works, the key is marked (``<name>-<key>.off``, the
+reason inside), so later runs skip the attempt; a failure of compilation itself (no C++
+compiler, say) is raised as ``torch.compile`` would raise it, to the caller's own fallback.
+``ARL_PRECOMPILE=0`` turns the whole path off. Entries are pickles written by torch, as
+inductor's own cache entries are: the cache directory must be as trusted as the code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import os
+import platform
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from arl.compile_cache import compile_cache_dir
+
+log = logging.getLogger(__name__)
+
+ENV = "ARL_PRECOMPILE"
+_SIMPLE = (int, float, str, bool, type(None))
+
+
+def enabled() -> bool:
+    """Whether `precompiled` keeps compiled functions (``ARL_PRECOMPILE`` is not ``0``) and this
+    torch can (``aot_compile`` and ``load_compiled_function``)."""
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return hasattr(torch.compiler, "load_compiled_function")
+
+
+def precompile_dir(cache_dir: str | None = None) -> Path:
+    """Where `precompiled` keeps its entries: ``<compile cache>/precompiled``."""
+    return compile_cache_dir(cache_dir) / "precompiled"
+
+
+def precompiled(
+    fn: Callable,
+    *,
+    name: str,
+    dynamic: bool | None = None,
+    also: Iterable[str | Path] = (),
+    cache_dir: str | None = None,
+) -> Callable:
+    """``torch.compile(fn, dynamic=dynamic)``, with what it compiles kept under ``ARL_CACHE`` (the
+    module docstring); plain ``torch.compile`` where that is off. ``name`` names the entries'
+    files; ``also``: further source files whose code the compiled function runs (the key hashes
+    them with ``fn``'s own)."""
+    if not enabled():
+        return torch.compile(fn, dynamic=dynamic)
+    return Precompiled(fn, name=name, dynamic=dynamic, also=also, cache_dir=cache_dir)
+
+
+class Precompiled:
+    """A function compiled ahead of time at its first call and kept on disk; see the module
+    docstring. Safe to call from several threads (one compiles or loads at a time)."""
+
+    def __init__(
+        self,
+        fn: Callable,
+        *,
+        name: str,
+        dynamic: bool | None,
+        also: Iterable[str | Path] = (),
+        cache_dir: str | None = None,
+    ) -> None:
+        if not name or any(c in name for c in "/\\-") or name.startswith("."):
+            raise ValueError(f"name {name!r}: use letters, digits, dots and underscores")
+        self.fn, self.name, self.dynamic = fn, name, dynamic
+        self._also = tuple(Path(p) for p in also)
+        self._dir = precompile_dir(cache_dir)
+        self._key: str | None = None
+        # (grad mode, compiled function) of each device tag whose saved entries were looked for
+        self._entries: dict[str, list[tuple[bool, Any]]] = {}
+        self._all: list[tuple[bool, Any]] = []  # every entry, in the order they are tried
+        self._plain: Callable | None = None  # torch.compile(fn) once this path is given up
+        self._why: str | None = None  # why it was given up, warned once plain compiles work
+        self._lock = threading.Lock()
+        self.loaded = 0  # entries loaded from disk
+        self.compiled = 0  # entries compiled in this process
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._plain is None:
+            entry = self._find(args, kwargs)
+            if entry is not None:
+                return entry(*args, **kwargs)
+            with self._lock:
+                if self._plain is None:
+                    entry = self._load_for(args, kwargs) or self._add(args, kwargs)
+            if entry is not None:
+                return entry(*args, **kwargs)
+        try:
+            out = self._plain(*args, **kwargs)  # type: ignore[misc]
+        except BaseException:
+            self._why = None  # compilation itself fails (the caller's to handle): not this path's
+            raise
+        if self._why is not None:  # plain compilation works where this path did not: say so
+            with self._lock:
+                why, self._why = self._why, None
+            if why is not None:
+                self._warn(why, mark=True)
+        return out
+
+    def key(self) -> str:
+        """The hash that names this function's entries (module docstring: what it covers)."""
+        if self._key is None:
+            parts = {
+                "name": self.name,
+                "dynamic": self.dynamic,
+                "qualname": getattr(self.fn, "__qualname__", repr(self.fn)),
+                "sources": [_file_hash(p) for p in (_source_file(self.fn), *self._also)],
+                "closure": _closure_values(self.fn),
+                "torch": torch.__version__,
+                "python": [sys.implementation.name, *sys.version_info[:3]],
+                "machine": platform.machine(),
+            }
+            blob = json.dumps(parts, sort_keys=True).encode()
+            self._key = hashlib.sha256(blob).hexdigest()[:20]
+        return self._key
+
+    # ---- entries ------------------------------------------------------------------------------
+    def _find(self, args: tuple, kwargs: dict) -> Any:
+        """The first entry whose grad mode and guards accept this call (None: none does)."""
+        grad = torch.is_grad_enabled()
+        entries = self._all
+        for i, (mode, entry) in enumerate(entries):
+            if mode == grad and entry.guard_check(*args, **kwargs):
+                if i:  # most recently used first: calls come in runs of one shape
+                    entries.insert(0, entries.pop(i))
+                return entry
+        return None
+
+    def _load_for(self, args: tuple, kwargs: dict) -> Any:
+        """Load the saved entries of this call's device tag, once; the one that accepts the
+        call, if any. Under the lock."""
+        try:
+            tag = _device_tag(args, kwargs)
+            if tag in self._entries:
+                return self._find(args, kwargs)  # another thread may have added one
+            stem = f"{self.name}-{self.key()}"
+        except (OSError, TypeError) as exc:  # no source file, or a closure not to be keyed
+            self._give_up(f"it cannot be keyed ({exc})")
+            return None
+        self._entries[tag] = loaded = []
+        if self._dir.is_dir():
+            off = sorted(self._dir.glob(f"{stem}.off"))
+            if off:  # an earlier run found this path failing: plain, without a warning
+                self._plain = torch.compile(self.fn, dynamic=self.dynamic)
+                return None
+            files = sorted(self._dir.glob(f"{stem}{tag}-g*.bin"), key=lambda p: p.stat().st_mtime)
+            for path in files:
+                try:
+                    loaded.append((_grad_mode(path), _load_entry(path, self.fn)))
+                except Exception as exc:  # noqa: BLE001 - a torch that cannot load its own entry
+                    self._give_up(f"its entry {path.name} does not load ({_first_line(exc)})")
+                    return None
+        self._all.extend(loaded)
+        self.loaded += len(loaded)
+        if loaded:
+            log.debug("%s: %d precompiled entries loaded (%s%s)", self.name, len(loaded), stem, tag)
+        return self._find(args, kwargs)
+
+    def _add(self, args: tuple, kwargs: dict) -> Any:
+        """Compile an entry for this call and save it; None (plain from now on) if this path
+        fails. Under the lock."""
+        if self._plain is not None:
+            return None
+        compiler = torch.compile(self.fn, fullgraph=True, dynamic=self.dynamic)
+        t0 = time.perf_counter()
+        try:
+            entry = compiler.aot_compile((args, kwargs))
+        except Exception as exc:  # noqa: BLE001 - plain compilation raises it again if it is its
+            self._give_up(f"aot_compile failed ({_first_line(exc)})")
+            return None
+        if not callable(getattr(entry, "guard_check", None)):
+            self._give_up("this torch's compiled functions cannot check their guards")
+            return None
+        if hasattr(entry, "disable_guard_check"):  # `_find` checks them first
+            entry.disable_guard_check()
+        grad = torch.is_grad_enabled()
+        stem = f"{self.name}-{self.key()}{_device_tag(args, kwargs)}"
+        path = self._dir / f"{stem}-g{int(grad)}-{uuid.uuid4().hex[:8]}.bin"
+        t1 = time.perf_counter()
+        try:
+            self._dir.mkdir(parents=True, exist_ok=True)
+            entry.save_compiled_function(str(path))  # to a temporary file, then renamed
+        except Exception as exc:  # noqa: BLE001 - kept in memory for this process only
+            path.unlink(missing_ok=True)
+            self._warn(f"its compiled entry cannot be saved ({_first_line(exc)})", mark=False)
+        else:
+            t2 = time.perf_counter()
+            log.debug(
+                "%s: compiled in %.2f s, kept in %.2f s: %s", self.name, t1 - t0, t2 - t1, path
+            )
+        self._all.append((grad, entry))
+        self.compiled += 1
+        return entry
+
+    def _give_up(self, why: str) -> None:
+        """Compile plainly from here on; the first plain call that works warns (`_warn`)."""
+        self._plain = torch.compile(self.fn, dynamic=self.dynamic)
+        self._why = why
+
+    def _warn(self, why: str, *, mark: bool) -> None:
+        """One warning; with ``mark``, write ``<name>-<key>.off`` so later runs do not retry."""
+        log.warning(
+            "%s is compiled as before, not kept under %s: %s (ARL_PRECOMPILE=0 skips trying)",
+            self.name,
+            self._dir,
+            why,
+        )
+        if mark:
+            try:
+                self._dir.mkdir(parents=True, exist_ok=True)
+                (self._dir / f"{self.name}-{self.key()}.off").write_text(why + "\n")
+            except (OSError, TypeError):
+                pass
+
+
+def _load_entry(path: Path, fn: Callable) -> Any:
+    from torch._guards import TracingContext, tracing
+
+    # Unpickling some guard sources installs a guard, which needs a tracing context (torch
+    # 2.11-2.13 raise "TracingContext.get() must be called within an ongoing trace" without).
+    with path.open("rb") as f, tracing(TracingContext(None)):
+        entry = torch.compiler.load_compiled_function(f, f_globals=fn.__globals__)
+    if not callable(getattr(entry, "guard_check", None)):
+        raise TypeError("this torch's compiled functions cannot check their guards")
+    if hasattr(entry, "disable_guard_check"):  # `Precompiled._find` checks them first
+        entry.disable_guard_check()
+    return entry
+
+
+def _grad_mode(path: Path) -> bool:
+    """The grad mode in an entry's file name (``...-g1-<n>.bin``)."""
+    return path.stem.rsplit("-", 2)[-2] == "g1"
+
+
+def _source_file(fn: Callable) -> Path:
+    path = inspect.getsourcefile(inspect.unwrap(fn))
+    if path is None:
+        raise OSError(f"no source file for {fn!r}")
+    return Path(path)
+
+
+def _file_hash(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _closure_values(fn: Callable) -> list:
+    """The values of ``fn``'s closure, which the artifact bakes in: plain constants only."""
+    out = []
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
+        value = cell.cell_contents
+        if isinstance(value, tuple) and all(isinstance(v, _SIMPLE) for v in value):
+            value = list(value)
+        elif not isinstance(value, _SIMPLE):
+            raise TypeError(f"closure variable {name!r} is a {type(value).__name__}")
+        out.append([name, value])
+    return out
+
+
+def _device_tag(args: tuple, kwargs: dict) -> str:
+    """``-cuda<capability>`` (with Triton's version) or ``-cpu<vector ISA>`` of the first tensor
+    among the arguments; empty if there is none."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            device = value.device
+            if device.type == "cuda":
+                major, minor = torch.cuda.get_device_capability(device)
+                try:
+                    import triton
+
+                    triton_version = triton.__version__
+                except ImportError:
+                    triton_version = "none"
+                tag = f"cuda{major}{minor}_triton{triton_version}"
+            elif device.type == "cpu":
+                tag = f"cpu_{torch.backends.cpu.get_cpu_capability()}"
+            else:
+                tag = device.type
+            return "-" + "".join(c if c.isalnum() or c in "._" else "_" for c in tag.lower())
+    return ""
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
