@@ -51,6 +51,7 @@ _LINES = {
     ),
     "engine_ready": re.compile(
         rf"hf engine ready in {_NUM} s \(load {_NUM} s, compile {_NUM} s, graphs {_NUM} s\)"
+        rf"(?:; compiled functions kept: {_NUM} loaded, {_NUM} compiled)?"
     ),
     "train_created": re.compile(
         rf"node train0: created \S+ \(\S+\) in {_NUM} s \(import {_NUM} s\)"
@@ -63,7 +64,14 @@ _LINES = {
 # The seconds each line reports, by name, in the order of its groups.
 _KEYS = {
     "rollout_setup": ("took_s", "imports_s", "reward_s", "tokenizer_s", "engine_s"),
-    "engine_ready": ("took_s", "load_s", "compile_s", "graphs_s"),
+    "engine_ready": (
+        "took_s",
+        "load_s",
+        "compile_s",
+        "graphs_s",
+        "kept_loaded_n",
+        "kept_compiled_n",
+    ),
     "train_created": ("took_s", "import_s"),
     "train_ready": ("took_s", "load_s", "prime_s", "group_s"),
     "train_warm_up": ("took_s",),
@@ -109,7 +117,7 @@ def read_phases(log: str, t_launch: float) -> dict:
             entry = {"at_s": round(t - t_launch, 3)}
             for key, g in zip(_KEYS.get(name, ()), m.groups(), strict=True):
                 if g is not None:  # an optional group the line did not have
-                    entry[key] = float(g)
+                    entry[key] = int(g) if key.endswith("_n") else float(g)
             out[name] = entry
     return out
 
@@ -147,7 +155,9 @@ def results_json(stem: str, cold: dict, warm: dict, floors: dict, steps: int) ->
 
 
 def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1f}"
+    if x is None:
+        return "-"
+    return f"{x:.0f}" if isinstance(x, int) else f"{x:.1f}"
 
 
 # (row label, phase in the log, its key) of the table, in start-up order.
@@ -160,6 +170,8 @@ _TABLE = [
     ("engine: load (transformers' model imports included)", "engine_ready", "load_s"),
     ("engine: compile (norm/MLP blocks, flex)", "engine_ready", "compile_s"),
     ("engine: decode graphs (warm-up)", "engine_ready", "graphs_s"),
+    ("engine: compiled functions loaded from ARL_CACHE (count)", "engine_ready", "kept_loaded_n"),
+    ("engine: compiled functions compiled into it (count)", "engine_ready", "kept_compiled_n"),
     ("engine ready, since launch", "engine_ready", "at_s"),
     ("train rank 0: worker import", "train_created", "import_s"),
     ("train rank 0: load", "train_ready", "load_s"),

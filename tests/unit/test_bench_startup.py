@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 import pytest
@@ -33,6 +34,35 @@ def test_the_engines_own_ready_line_is_read_back(tmp_path, caplog: pytest.LogCap
     assert got["at_s"] == pytest.approx(2.0, abs=0.002)
     assert got["load_s"] == pytest.approx(load_s, abs=0.051)
     assert got["took_s"] >= got["load_s"] and got["graphs_s"] == 0.0  # no graphs on CPU
+
+
+def test_the_engines_kept_functions_are_counted_and_read_back(
+    tmp_path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+):
+    """A flex engine compiled on CPU: the first build compiles its kernel into ``ARL_CACHE``,
+    a later one (a fresh process's view: nothing in memory) loads it; the ready line says so."""
+    from arl.engines.hf import flex
+
+    tiny = make_tiny_model(tmp_path / "tiny")
+    monkeypatch.setenv("ARL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("ARL_PRECOMPILE", raising=False)
+    # The engine points inductor at ARL_CACHE unless already set: keep that to this test.
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(tmp_path / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", inductor)
+    got = []
+    for _ in range(2):
+        monkeypatch.setattr(flex, "_COMPILED", None)
+        caplog.clear()
+        options = {"decode_attention": "flex", "compile_blocks": True}
+        with caplog.at_level(logging.INFO, logger="arl.engines.hf.engine"):
+            with HFEngine(tiny, max_batch_size=2, max_seq_len=64, **options) as engine:
+                kept = engine.kept_functions()
+        (record,) = [r for r in caplog.records if "ready in" in r.getMessage()]
+        phases = read_phases(_line(record.created, record.getMessage()), record.created)
+        ready = phases["engine_ready"]
+        assert (ready["kept_loaded_n"], ready["kept_compiled_n"]) == kept
+        got.append(kept)
+    assert got == [(0, 1), (1, 0)]
 
 
 def test_the_rollout_workers_setup_line_is_read_back(tmp_path, caplog: pytest.LogCaptureFixture):
@@ -69,7 +99,8 @@ def _run(first_end: float, exit_at: float) -> dict:
             _line(T0 + 2.75, "INFO arl.controller: node train0 joined from vm pid 2"),
             "Loading weights: 100%|##########| 272/272",  # no time stamp: skipped
             _line(T0 + 9.0, "arl.engines.hf.engine hf engine ready in 6.0 s "
-                  "(load 1.5 s, compile 2.5 s, graphs 2.0 s)"),
+                  "(load 1.5 s, compile 2.5 s, graphs 2.0 s); compiled functions kept: 14 "
+                  "loaded, 0 compiled"),
             _line(T0 + 9.0, "arl.rollout rollout setup in 6.2 s (imports 1.0 s, reward and "
                   "workflow 0.1 s, tokenizer 0.5 s, engine 4.6 s)"),
             _line(T0 + 8.0, "arl.train.fsdp rank 0: ready in 5.0 s (load 2.0 s, prime 3.0 s; "
@@ -92,8 +123,9 @@ def test_the_tracked_figures_and_phases_come_from_the_metrics_and_the_log():
     p = warm["phases"]
     assert p["nodes_joined"]["at_s"] == pytest.approx(2.75, abs=0.002)  # the last to join
     assert p["engine_ready"] == pytest.approx(
-        {"at_s": 9.0, "took_s": 6.0, "load_s": 1.5, "compile_s": 2.5, "graphs_s": 2.0}, abs=0.002
-    )
+        {"at_s": 9.0, "took_s": 6.0, "load_s": 1.5, "compile_s": 2.5, "graphs_s": 2.0,
+         "kept_loaded_n": 14, "kept_compiled_n": 0}, abs=0.002
+    )  # fmt: skip
     assert p["train_ready"]["prime_s"] == 3.0 and p["train_warm_up"]["took_s"] == 1.5
     assert p["train_ready"]["group_s"] == 0.5 and p["train_created"]["import_s"] == 0.2
     assert p["config_saved"]["at_s"] == pytest.approx(1.25, abs=0.002)
@@ -108,6 +140,7 @@ def test_the_tracked_figures_and_phases_come_from_the_metrics_and_the_log():
     assert out["arith.launch_to_exit_s_warm"] == 28.0
     table = report(cold, warm, floors)
     assert "| engine: compile (norm/MLP blocks, flex) | 2.5 | 2.5 | - |" in table
+    assert "| engine: compiled functions loaded from ARL_CACHE (count) | 14 | 14 | - |" in table
     assert "| first_step_s: launch to the end of step 1 | 20.0 | 12.5 | - |" in table
     assert "| train rank 0: load | 2.0 | 2.0 | 1.0 |" in table
     assert "| rollout setup: tokenizer | 0.5 | 0.5 | - |" in table

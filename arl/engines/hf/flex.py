@@ -132,6 +132,12 @@ def _run_compiled(
         return _COMPILED(query, key, value, mask, scale)
 
 
+def compiled_flex_function() -> Any:
+    """The compiled flex attention of this process (a `Precompiled`, or torch.compile's), or
+    None before the first compiled step."""
+    return _COMPILED
+
+
 _BROKEN = False  # compiled flex failed at a shape after the build's probe passed
 
 

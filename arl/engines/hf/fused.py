@@ -144,6 +144,7 @@ class FusedDecoder:
             attn_out = precompiled(attn_out, name="hf.fused.attn_out", dynamic=True)
             head = precompiled(head, name="hf.fused.head", dynamic=True)
         self._attn_in, self._attn_out, self._head = attn_in, attn_out, head
+        self.functions = (attn_in, attn_out, head)
         self.bind()
 
     # ------------------------------------------------------------------ weights
