@@ -8,16 +8,17 @@ hf engine's start-up: three fused functions and one flex-attention kernel per ba
 that compiles ahead of time at its first call (torch's ``aot_compile``: dynamo's bytecode, its
 guards and inductor's code in one artifact) and saves the result::
 
-    <cache>/compile/torch-<version>/precompiled/<name>-<key>-g<grad mode>-<n>.bin
+    <cache>/compile/torch-<version>/precompiled/<name>-<key>-<device>-g<grad mode>-<n>.bin
 
-A later process loads the entries of its key at its first call (milliseconds each) and checks
-their guards on every call instead of tracing: the inputs' dtypes, devices, ranks, strides and
-whatever sizes the compilation specialised. A call no entry accepts compiles one more entry.
-What the guards do not check is in the key: the source file that defines ``fn`` (and any file
-named in ``also``), the values of ``fn``'s closure (model constants such as head counts and the
-norm's epsilon: they are baked into the artifact), the torch and Python versions, the device
-(the CUDA capability and the Triton version, or the CPU's vector ISA) and ``dynamic``; the grad
-mode an entry was compiled under is checked before its guards.
+A later process loads the entries of its key and device at its first call (milliseconds each)
+and checks their guards on every call instead of tracing: the inputs' dtypes, devices, ranks,
+strides, whatever sizes the compilation specialised, and float arguments (traced as constants).
+A call no entry accepts compiles one more entry. What the guards do not check is in the key:
+the source file that defines ``fn`` (and any file named in ``also``), the values of ``fn``'s
+closure (model constants such as head counts and the norm's epsilon, baked into the artifact;
+a decorator's wrapped function by its name and source file), the torch and Python versions
+and ``dynamic``; the device (the CUDA capability and Triton's version, or the CPU's vector ISA)
+and the grad mode an entry was compiled under are in its file's name and checked first.
 
 Anything that goes wrong on this path falls back to plain ``torch.compile`` with one warning:
 a torch without ``aot_compile``, a function it cannot trace whole or serialise, an entry that
@@ -45,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch._dynamo.config as dynamo_config
 
 from arl.compile_cache import compile_cache_dir
 
@@ -200,8 +202,12 @@ class Precompiled:
             return None
         compiler = torch.compile(self.fn, fullgraph=True, dynamic=self.dynamic)
         t0 = time.perf_counter()
+        # Floats as constants (guarded): tracing them as tensors restarts the trace, which
+        # aot_compile cannot (TensorifyScalarRestartAnalysis).
+        floats = {"specialize_float": True} if hasattr(dynamo_config, "specialize_float") else {}
         try:
-            entry = compiler.aot_compile((args, kwargs))
+            with dynamo_config.patch(floats):
+                entry = compiler.aot_compile((args, kwargs))
         except Exception as exc:  # noqa: BLE001 - plain compilation raises it again if it is its
             self._give_up(f"aot_compile failed ({_first_line(exc)})")
             return None
@@ -280,13 +286,18 @@ def _file_hash(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def _closure_values(fn: Callable) -> list:
-    """The values of ``fn``'s closure, which the artifact bakes in: plain constants only."""
-    out = []
+def _closure_values(fn: Callable, depth: int = 0) -> list:
+    """The values of ``fn``'s closure, which the artifact bakes in: plain constants, and functions
+    (a decorator's wrapped function: named by module, qualified name, their source file's hash and
+    their own closure)."""
+    out: list = []
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
         value = cell.cell_contents
         if isinstance(value, tuple) and all(isinstance(v, _SIMPLE) for v in value):
             value = list(value)
+        elif inspect.isfunction(value):  # its closure too, to a depth (they may recurse)
+            inner = _closure_values(value, depth + 1) if depth < 3 else []
+            value = [value.__module__, value.__qualname__, _file_hash(_source_file(value)), inner]
         elif not isinstance(value, _SIMPLE):
             raise TypeError(f"closure variable {name!r} is a {type(value).__name__}")
         out.append([name, value])

@@ -32,6 +32,21 @@ def make(eps, scale):
     return fn
 
 
+def scaled(x, scale):
+    return torch.nn.functional.silu(x) * scale
+
+
+def decorate(fn):
+    def wrapper(*args):
+        return fn(*args) + 1
+
+    return wrapper
+
+
+def cosine(x):
+    return x.cos()
+
+
 def with_break(x):
     print("a graph break")  # fullgraph tracing refuses this; plain torch.compile splits here
     return x.sin() + 1
@@ -125,6 +140,39 @@ def test_calls_the_guards_refuse_add_entries_and_each_is_kept(fns, tmp_path: Pat
         with mode():
             torch.testing.assert_close(later(*_inputs(6, dtype)), fn(*_inputs(6, dtype)))
     assert (later.compiled, later.loaded) == (0, 3)
+
+
+def test_a_float_argument_is_a_guarded_constant(fns, tmp_path: Path) -> None:
+    """A float traced as a constant (as a tensor, dynamo restarts its trace, which aot_compile
+    cannot do): each value is an entry of its own, and a later instance serves both."""
+    x = torch.randn(5, 3)
+    first = Precompiled(fns.scaled, name="t.scaled", dynamic=True, cache_dir=str(tmp_path))
+    for scale in (0.5, 2.0, 0.5):
+        torch.testing.assert_close(first(x, scale), fns.scaled(x, scale))
+    assert first.compiled == 2
+    later = Precompiled(fns.scaled, name="t.scaled", dynamic=True, cache_dir=str(tmp_path))
+    for scale in (2.0, 0.5):
+        torch.testing.assert_close(later(x, scale), fns.scaled(x, scale))
+    assert (later.loaded, later.compiled) == (2, 0)
+
+
+def test_a_decorated_function_is_keyed_by_the_function_it_wraps(tmp_path: Path) -> None:
+    """A decorator's closure holds the wrapped function: its module, name and source file's
+    hash are in the key (transformers decorates its models' forwards so). Here the wrapper's own
+    file is the same in both: only the wrapped function's differs."""
+    for sub in ("h", "a", "b"):
+        (tmp_path / sub).mkdir()
+    helper = _module(tmp_path / "h")
+    one = _module(tmp_path / "a")
+    two = _module(tmp_path / "b", SOURCE.replace("return x.cos()", "return x.sin()"))
+    f1, f2 = helper.decorate(one.cosine), helper.decorate(two.cosine)
+    k1 = Precompiled(f1, name="t.dec", dynamic=True, cache_dir=str(tmp_path))
+    k2 = Precompiled(f2, name="t.dec", dynamic=True, cache_dir=str(tmp_path))
+    assert k1.key() != k2.key()
+    x = torch.randn(4)
+    torch.testing.assert_close(k1(x), x.cos() + 1)
+    torch.testing.assert_close(k2(x), x.sin() + 1)
+    assert (k1.compiled, k2.compiled) == (1, 1)
 
 
 def test_off_compiles_plainly_and_keeps_nothing(
