@@ -31,6 +31,8 @@ inductor's own cache entries are: the cache directory must be as trusted as the 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import inspect
 import json
@@ -41,7 +43,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +104,7 @@ class Precompiled:
         if not name or any(c in name for c in "/\\-") or name.startswith("."):
             raise ValueError(f"name {name!r}: use letters, digits, dots and underscores")
         self.fn, self.name, self.dynamic = fn, name, dynamic
+        functools.update_wrapper(self, fn)  # a function's name and signature, as torch.compile's
         self._also = tuple(Path(p) for p in also)
         self._dir = precompile_dir(cache_dir)
         self._key: str | None = None
@@ -206,7 +209,7 @@ class Precompiled:
         # aot_compile cannot (TensorifyScalarRestartAnalysis).
         floats = {"specialize_float": True} if hasattr(dynamo_config, "specialize_float") else {}
         try:
-            with dynamo_config.patch(floats):
+            with dynamo_config.patch(floats), _gradients_set_aside(args, kwargs):
                 entry = compiler.aot_compile((args, kwargs))
         except Exception as exc:  # noqa: BLE001 - plain compilation raises it again if it is its
             self._give_up(f"aot_compile failed ({_first_line(exc)})")
@@ -222,7 +225,9 @@ class Precompiled:
         t1 = time.perf_counter()
         try:
             self._dir.mkdir(parents=True, exist_ok=True)
-            entry.save_compiled_function(str(path))  # to a temporary file, then renamed
+            # To a temporary file, then renamed; the closure's functions by reference.
+            with _gradients_set_aside(args, kwargs):
+                entry.save_compiled_function(str(path), external_data=_closure_functions(self.fn))
         except Exception as exc:  # noqa: BLE001 - kept in memory for this process only
             path.unlink(missing_ok=True)
             self._warn(f"its compiled entry cannot be saved ({_first_line(exc)})", mark=False)
@@ -262,7 +267,9 @@ def _load_entry(path: Path, fn: Callable) -> Any:
     # Unpickling some guard sources installs a guard, which needs a tracing context (torch
     # 2.11-2.13 raise "TracingContext.get() must be called within an ongoing trace" without).
     with path.open("rb") as f, tracing(TracingContext(None)):
-        entry = torch.compiler.load_compiled_function(f, f_globals=fn.__globals__)
+        entry = torch.compiler.load_compiled_function(
+            f, f_globals=fn.__globals__, external_data=_closure_functions(fn)
+        )
     if not callable(getattr(entry, "guard_check", None)):
         raise TypeError("this torch's compiled functions cannot check their guards")
     if hasattr(entry, "disable_guard_check"):  # `Precompiled._find` checks them first
@@ -301,6 +308,46 @@ def _closure_values(fn: Callable, depth: int = 0) -> list:
         elif not isinstance(value, _SIMPLE):
             raise TypeError(f"closure variable {name!r} is a {type(value).__name__}")
         out.append([name, value])
+    return out
+
+
+@contextlib.contextmanager
+def _gradients_set_aside(args: tuple, kwargs: dict) -> Iterator[None]:
+    """The gradients of the parameters of module arguments (a layer's ``self``) set to None
+    meanwhile: torch saves them with the guards and cannot load them back (its pruned values)."""
+    held = [
+        (p, p.grad)
+        for value in (*args, *kwargs.values())
+        if isinstance(value, torch.nn.Module)
+        for p in value.parameters()
+        if p.grad is not None
+    ]
+    for p, _ in held:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in held:
+            p.grad = grad
+
+
+def _closure_functions(fn: Callable) -> dict[str, Callable]:
+    """The functions in ``fn``'s closure (and theirs, to a depth), by their place in it: saved
+    as references and given back at load, where pickling them by name would fail (a decorator
+    holds the function its module's name now gives the decorated one)."""
+    out: dict[str, Callable] = {}
+
+    def walk(f: Callable, path: str, depth: int) -> None:
+        for i, cell in enumerate(f.__closure__ or ()):
+            value = cell.cell_contents
+            if inspect.isfunction(value) and id(value) not in seen:
+                seen.add(id(value))
+                out[f"{path}.{i}"] = value
+                if depth < 3:
+                    walk(value, f"{path}.{i}", depth + 1)
+
+    seen = {id(fn)}
+    walk(fn, "closure", 0)
     return out
 
 

@@ -3,6 +3,8 @@ DTensors back as plain tensors."""
 
 from __future__ import annotations
 
+import os
+import types
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -12,6 +14,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor
 
 from arl.config import ActorConfig
+from arl.precompile import precompiled
 from arl.train.logp import ChunkedLogpHead, register_varlen, transforms_logits
 from arl.train.lora import compute_adapters_in, inject_adapters
 from arl.train.master import MasterWeights
@@ -122,21 +125,61 @@ def load_sharded(
     for layer in layers:
         if not one_rank:
             fully_shard(layer, **kwargs)
-        if compile_layers:
-            # Per layer, not the whole model: FSDP's hooks stay outside the compiled region, and
-            # every layer shares one compiled graph (dynamic token counts).
-            layer.compile(dynamic=True)
+    if compile_layers:
+        compile_forwards(layers)
     if not one_rank:
         fully_shard(model, **kwargs)
     return LoadedModel(model, forward, master)
 
 
+def compile_forwards(layers: list[torch.nn.Module]) -> None:
+    """Compile each decoder layer's forward: per layer, not the whole model, so that FSDP's
+    hooks stay outside the compiled region, and one compiled function per layer class, shared
+    by its layers (they differ only in the weights its ``self`` holds; token counts dynamic).
+    It is kept under ``ARL_CACHE`` (`arl.precompile`), so a later run loads it rather than
+    tracing it; where that cannot be (a model whose code torch cannot serialise), it is
+    compiled as ``torch.compile`` always did."""
+    kept: dict[Any, Any] = {}
+    for layer in layers:
+        fn = _undeprecated(type(layer).forward)  # FSDP's subclass inherits the layer's forward
+        if fn not in kept:
+            name = "train.layer." + fn.__qualname__.split(".")[0]
+            kept[fn] = precompiled(fn, name=name, dynamic=True)
+        layer.forward = types.MethodType(kept[fn], layer)
+        layer._arl_compiled_forward = True
+
+
+def _undeprecated(fn: Any) -> Any:
+    """``fn`` without transformers' ``deprecate_kwarg`` wrappers, which only accept an old name
+    of a keyword that the model's own calls do not use (and which torch cannot serialise: they
+    hold the function that their module's name now gives the wrapper)."""
+    while hasattr(fn, "__wrapped__") and fn.__code__.co_filename.endswith(_DEPRECATION_FILE):
+        fn = fn.__wrapped__
+    return fn
+
+
+_DEPRECATION_FILE = os.path.join("transformers", "utils", "deprecation.py")
+
+
+def compiled_layers(model: torch.nn.Module) -> int:
+    """How many modules of ``model`` run compiled (`compile_forwards`, or ``nn.Module.compile``)."""
+    return sum(
+        bool(m.__dict__.get("_arl_compiled_forward"))
+        or getattr(m, "_compiled_call_impl", None) is not None
+        for m in model.modules()
+    )
+
+
 def uncompile_layers(model: torch.nn.Module) -> int:
-    """Run every module of ``model`` that `load_sharded` compiled eagerly again (what
-    ``nn.Module.compile`` set is cleared); returns how many there were."""
+    """Run every module of ``model`` that `load_sharded` compiled eagerly again (the compiled
+    forward of `compile_forwards` removed, what ``nn.Module.compile`` set cleared); returns how
+    many there were."""
     n = 0
     for m in model.modules():
-        if getattr(m, "_compiled_call_impl", None) is not None:
+        if m.__dict__.pop("_arl_compiled_forward", False):
+            del m.forward
+            n += 1
+        elif getattr(m, "_compiled_call_impl", None) is not None:
             m._compiled_call_impl = None
             n += 1
     return n

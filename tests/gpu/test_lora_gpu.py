@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from arl.bench.gpu import SMOLLM2_135M, synthetic_train_batch
 from arl.engines.lora import is_lora_name
 from arl.node.train import TrainWorker
+from arl.train.sharding import compiled_layers
 
 pytestmark = [
     pytest.mark.gpu,
@@ -57,9 +58,7 @@ def test_lora_update_and_sync_on_one_gpu(tmp_path: Path):
         assert {n for n, p in named.items() if p.requires_grad} == set(adapters)
         assert {p.dtype for p in adapters.values()} == {torch.float32}
         assert {p.dtype for n, p in named.items() if n not in adapters} == {torch.bfloat16}
-        compiled = sum(
-            getattr(m, "_compiled_call_impl", None) is not None for m in eng.model.modules()
-        )
+        compiled = compiled_layers(eng.model)
         base_before = {n: p.detach().clone() for n, p in named.items() if n not in adapters}
         a_before = {n: p.detach().clone() for n, p in adapters.items()}
 

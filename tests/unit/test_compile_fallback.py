@@ -39,3 +39,86 @@ def test_a_compile_failure_is_told_from_an_error_of_the_computation_and_undone()
     assert uncompile_layers(model) == 0
     torch.testing.assert_close(model(x), model[2](model[1](model[0].forward(x))))
     torch._dynamo.reset()
+
+
+class _Layer(torch.nn.Module):  # a decoder layer's stand-in: weights of its own, one forward
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.w = torch.nn.Parameter(torch.randn(8, 8, generator=g) / 3)
+        self.norm = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        h = torch.nn.functional.silu(x @ self.w) * scale
+        return x + self.norm * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def _run(layers: torch.nn.ModuleList, x: torch.Tensor) -> tuple[torch.Tensor, list]:
+    layers.zero_grad(set_to_none=False)  # gradients held, as a trainer's CUDA graphs hold them
+    x = x * 1  # not a leaf: as the embeddings' output is, the same for every layer
+    for layer in layers:
+        x = layer(x, scale=0.5)
+    x.pow(2).mean().backward()
+    return x.detach(), [p.grad.clone() for p in layers.parameters()]
+
+
+def test_compiled_forwards_are_kept_loaded_by_a_later_model_and_undone(tmp_path, monkeypatch):
+    """`compile_forwards`: one compiled function for the layers of a class, outside their
+    hooks; its forward and backward match eager; a later model (another run's) loads it from
+    ARL_CACHE without tracing, gradients held or not when it was compiled; `uncompile_layers`
+    returns the layers to eager."""
+    from torch._dynamo.utils import counters
+
+    from arl.train.sharding import compile_forwards, compiled_layers
+
+    monkeypatch.setenv("ARL_CACHE", str(tmp_path))
+    monkeypatch.delenv("ARL_PRECOMPILE", raising=False)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    want = _run(torch.nn.ModuleList(_Layer(i) for i in range(3)), x)
+    for loaded in (0, 1):
+        counters.clear()
+        layers = torch.nn.ModuleList(_Layer(i) for i in range(3))
+        for p in layers.parameters():  # held before the first (compiling) pass
+            p.grad = torch.zeros_like(p)
+        compile_forwards(list(layers))
+        assert compiled_layers(layers) == 3
+        got = _run(layers, x)
+        torch.testing.assert_close(got[0], want[0])
+        for a, b in zip(got[1], want[1], strict=True):
+            torch.testing.assert_close(a, b)
+        kept = layers[0].forward.__func__
+        assert (kept.loaded, kept.compiled) == (loaded, 1 - loaded)  # one for the three layers
+        assert kept is layers[2].forward.__func__
+        assert counters["stats"]["unique_graphs"] == 1 - loaded
+    assert uncompile_layers(layers) == 3 and compiled_layers(layers) == 0
+    assert "forward" not in layers[0].__dict__
+    torch.testing.assert_close(_run(layers, x)[0], want[0])
+
+
+def test_a_transformers_decoder_layer_compiles_to_the_same_gradients(tmp_path, monkeypatch):
+    """The real layer class (its forward behind transformers' deprecate_kwarg): logits and
+    gradients as eager, kept under ARL_CACHE or (where transformers' hub kernels give the layer
+    a class torch cannot serialise) compiled plainly."""
+    from transformers import LlamaForCausalLM
+
+    from arl.train.sharding import compile_forwards, compiled_layers
+    from tests.support.tiny_model import make_tiny_model
+
+    monkeypatch.setenv("ARL_CACHE", str(tmp_path / "cache"))
+    path = make_tiny_model(tmp_path / "tiny")
+    ids = torch.randint(0, 1000, (1, 23), generator=torch.Generator().manual_seed(0))
+
+    def run(model: torch.nn.Module) -> tuple[torch.Tensor, list]:
+        model.zero_grad()
+        logits = model(input_ids=ids, use_cache=False).logits
+        logits.pow(2).mean().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+    model = LlamaForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+    want = run(model)
+    compile_forwards(list(model.model.layers))
+    assert compiled_layers(model) == 2
+    got = run(model)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
