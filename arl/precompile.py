@@ -77,15 +77,20 @@ def precompiled(
     name: str,
     dynamic: bool | None = None,
     also: Iterable[str | Path] = (),
+    max_compiled: int = 8,
     cache_dir: str | None = None,
 ) -> Callable:
     """``torch.compile(fn, dynamic=dynamic)``, with what it compiles kept under ``ARL_CACHE`` (the
     module docstring); plain ``torch.compile`` where that is off. ``name`` names the entries'
     files; ``also``: further source files whose code the compiled function runs (the key hashes
-    them with ``fn``'s own)."""
+    them with ``fn``'s own); ``max_compiled``: entries one process may compile (dynamo's own
+    recompile limit is 8) before it compiles plainly instead (a guard that fails on every new
+    call would otherwise compile on every call)."""
     if not enabled():
         return torch.compile(fn, dynamic=dynamic)
-    return Precompiled(fn, name=name, dynamic=dynamic, also=also, cache_dir=cache_dir)
+    return Precompiled(
+        fn, name=name, dynamic=dynamic, also=also, max_compiled=max_compiled, cache_dir=cache_dir
+    )
 
 
 class Precompiled:
@@ -99,11 +104,13 @@ class Precompiled:
         name: str,
         dynamic: bool | None,
         also: Iterable[str | Path] = (),
+        max_compiled: int = 8,
         cache_dir: str | None = None,
     ) -> None:
         if not name or any(c in name for c in "/\\-") or name.startswith("."):
             raise ValueError(f"name {name!r}: use letters, digits, dots and underscores")
         self.fn, self.name, self.dynamic = fn, name, dynamic
+        self.max_compiled = max_compiled
         functools.update_wrapper(self, fn)  # a function's name and signature, as torch.compile's
         self._also = tuple(Path(p) for p in also)
         self._dir = precompile_dir(cache_dir)
@@ -202,6 +209,9 @@ class Precompiled:
         """Compile an entry for this call and save it; None (plain from now on) if this path
         fails. Under the lock."""
         if self._plain is not None:
+            return None
+        if self.compiled >= self.max_compiled:
+            self._give_up(f"{self.compiled} entries compiled in this process, the most it may")
             return None
         compiler = torch.compile(self.fn, fullgraph=True, dynamic=self.dynamic)
         t0 = time.perf_counter()

@@ -175,6 +175,21 @@ def test_a_decorated_function_is_keyed_by_the_function_it_wraps(tmp_path: Path) 
     assert (k1.compiled, k2.compiled) == (1, 1)
 
 
+def test_past_its_most_entries_a_function_compiles_plainly(
+    fns, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Static shapes, a new one per call: after ``max_compiled`` entries, plain compilation
+    (a guard failing on every call would otherwise compile on every call)."""
+    fn = fns.make(1e-5, 2.0)
+    p = Precompiled(fn, name="t.fn", dynamic=False, max_compiled=2, cache_dir=str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="arl.precompile"), torch.no_grad():
+        for rows in (3, 4, 5, 6):
+            torch.testing.assert_close(p(*_inputs(rows)), fn(*_inputs(rows)))
+    assert p.compiled == 2 and len(_files(tmp_path)) == 2
+    assert "2 entries compiled in this process, the most it may" in caplog.text
+    assert len(_files(tmp_path, ".off")) == 1
+
+
 def test_off_compiles_plainly_and_keeps_nothing(
     fns, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -125,7 +125,9 @@ def _run_compiled(
         # Kept under ARL_CACHE (arl.precompile): a later run loads each shape's kernel instead
         # of tracing flex_attention again (the mask function is this file's: its hash is in the
         # key).
-        _COMPILED = precompiled(_flex_call, name="hf.flex_decode", dynamic=False)
+        _COMPILED = precompiled(
+            _flex_call, name="hf.flex_decode", dynamic=False, max_compiled=_RECOMPILE_LIMIT
+        )
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     with config.patch({name: max(getattr(config, name), _RECOMPILE_LIMIT)}):
