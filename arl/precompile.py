@@ -14,11 +14,13 @@ A later process loads the entries of its key and device at its first call (milli
 and checks their guards on every call instead of tracing: the inputs' dtypes, devices, ranks,
 strides, whatever sizes the compilation specialised, and float arguments (traced as constants).
 A call no entry accepts compiles one more entry. What the guards do not check is in the key:
-the source file that defines ``fn`` (and any file named in ``also``), the values of ``fn``'s
+the source file that defines ``fn`` (and any file named in ``also``), every source file of arl
+(what ``fn`` may call of it: an attention function, LoRA adapters), the values of ``fn``'s
 closure (model constants such as head counts and the norm's epsilon, baked into the artifact;
-a decorator's wrapped function by its name and source file), the torch and Python versions
-and ``dynamic``; the device (the CUDA capability and Triton's version, or the CPU's vector ISA)
-and the grad mode an entry was compiled under are in its file's name and checked first.
+a decorator's wrapped function by its name and source file), the torch, transformers and
+Python versions and ``dynamic``; the device (the CUDA capability and Triton's version, or the
+CPU's vector ISA) and the grad mode an entry was compiled under are in its file's name and
+checked first.
 
 Anything that goes wrong on this path falls back to plain ``torch.compile`` with one warning:
 a torch without ``aot_compile``, a function it cannot trace whole or serialise, an entry that
@@ -48,7 +50,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch._dynamo.config as dynamo_config
 
 from arl.compile_cache import compile_cache_dir
 
@@ -155,6 +156,8 @@ class Precompiled:
                 "qualname": getattr(self.fn, "__qualname__", repr(self.fn)),
                 "sources": [_file_hash(p) for p in (_source_file(self.fn), *self._also)],
                 "closure": _closure_values(self.fn),
+                "arl": _arl_sources(),  # what arl code the function calls (attention, LoRA)
+                "transformers": getattr(sys.modules.get("transformers"), "__version__", None),
                 "torch": torch.__version__,
                 "python": [sys.implementation.name, *sys.version_info[:3]],
                 "machine": platform.machine(),
@@ -215,6 +218,8 @@ class Precompiled:
             return None
         compiler = torch.compile(self.fn, fullgraph=True, dynamic=self.dynamic)
         t0 = time.perf_counter()
+        import torch._dynamo.config as dynamo_config  # here: importing dynamo takes ~1 s
+
         # Floats as constants (guarded): tracing them as tensors restarts the trace, which
         # aot_compile cannot (TensorifyScalarRestartAnalysis).
         floats = {"specialize_float": True} if hasattr(dynamo_config, "specialize_float") else {}
@@ -297,6 +302,17 @@ def _source_file(fn: Callable) -> Path:
     if path is None:
         raise OSError(f"no source file for {fn!r}")
     return Path(path)
+
+
+@functools.cache
+def _arl_sources() -> str:
+    """One hash of every source file of the arl package: a compiled function may run any of it
+    (the train layers' attention and LoRA adapters, say), so a change to arl compiles anew."""
+    root = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def _file_hash(path: Path) -> str:
