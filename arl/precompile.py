@@ -196,6 +196,8 @@ class Precompiled:
                 self._plain = torch.compile(self.fn, dynamic=self.dynamic)
                 return None
             files = sorted(self._dir.glob(f"{stem}{tag}-g*.bin"), key=lambda p: p.stat().st_mtime)
+            if files:
+                _name_local_classes(args, kwargs)  # as they were named when compiled
             for path in files:
                 try:
                     loaded.append((_grad_mode(path), _load_entry(path, self.fn)))
@@ -224,6 +226,7 @@ class Precompiled:
         # aot_compile cannot (TensorifyScalarRestartAnalysis).
         floats = {"specialize_float": True} if hasattr(dynamo_config, "specialize_float") else {}
         try:
+            _name_local_classes(args, kwargs)
             with dynamo_config.patch(floats), _gradients_set_aside(args, kwargs):
                 entry = compiler.aot_compile((args, kwargs))
         except Exception as exc:  # noqa: BLE001 - plain compilation raises it again if it is its
@@ -355,6 +358,39 @@ def _gradients_set_aside(args: tuple, kwargs: dict) -> Iterator[None]:
     finally:
         for p, grad in held:
             p.grad = grad
+
+
+def _name_local_classes(args: tuple, kwargs: dict) -> None:
+    """Give each class defined inside a function, of a module argument's submodules and of the
+    modules they hold outside their submodules (a dict of them, say), a name in its module
+    (``_arl_local_<class>_<path in the argument>``): torch needs one to save a guard on it.
+    transformers' hub kernels make such a class for each function they may replace (a decoder
+    layer's rotary embedding, kept in ``_kernel_funcs``). The same path gives the same name in a
+    later process, which names them before it loads (unpickling finds them by that name)."""
+    for value in (*args, *kwargs.values()):
+        if not isinstance(value, torch.nn.Module):
+            continue
+        for path, sub in value.named_modules():
+            held = [(path, sub)]
+            for attr, obj in vars(sub).items():
+                items = obj.items() if isinstance(obj, dict) else [("", obj)]
+                held += [
+                    (f"{path}.{attr}.{key}".strip("."), o)
+                    for key, o in items
+                    if isinstance(o, torch.nn.Module) and attr != "_modules"
+                ]
+            for where, obj in held:
+                _name_local_class(type(obj), where)
+
+
+def _name_local_class(cls: type, where: str) -> None:
+    if "<locals>" not in cls.__qualname__:
+        return
+    module = sys.modules.get(cls.__module__)
+    alias = "_arl_local_" + "".join(c if c.isalnum() else "_" for c in f"{cls.__name__}_{where}")
+    if module is not None and getattr(module, alias, cls) is cls:
+        setattr(module, alias, cls)
+        cls.__name__ = cls.__qualname__ = alias  # torch saves a type by this name only
 
 
 def _closure_functions(fn: Callable) -> dict[str, Callable]:

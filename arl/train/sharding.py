@@ -126,39 +126,52 @@ def load_sharded(
         if not one_rank:
             fully_shard(layer, **kwargs)
     if compile_layers:
-        compile_forwards(layers)
+        compile_forwards(layers, checkpointing=gradient_checkpointing and trainable)
     if not one_rank:
         fully_shard(model, **kwargs)
     return LoadedModel(model, forward, master)
 
 
-def compile_forwards(layers: list[torch.nn.Module]) -> None:
+def compile_forwards(layers: list[torch.nn.Module], checkpointing: bool = False) -> None:
     """Compile each decoder layer's forward: per layer, not the whole model, so that FSDP's
     hooks stay outside the compiled region, and one compiled function per layer class, shared
-    by its layers (they differ only in the weights its ``self`` holds; token counts dynamic).
-    It is kept under ``ARL_CACHE`` (`arl.precompile`), so a later run loads it rather than
-    tracing it; where that cannot be (a model whose code torch cannot serialise), it is
-    compiled as ``torch.compile`` always did."""
+    by its layers (they differ only in the weights ``self`` holds; token counts dynamic).
+
+    It is kept under ``ARL_CACHE`` (`arl.precompile`, the class's source file in the key), so a
+    later run loads it rather than tracing it. torch cannot load back a function that holds the
+    one it wraps, so the model's own forward is compiled, under the wrappers that do nothing
+    here: transformers' ``deprecate_kwarg`` (it accepts an old keyword name, which the model's
+    own calls do not use) and, with ``checkpointing`` off, its gradient-checkpointing wrapper
+    (which then only calls it). Behind any other wrapper the forward is compiled as
+    ``torch.compile`` always did, and so where this path fails."""
     kept: dict[Any, Any] = {}
     for layer in layers:
-        fn = _undeprecated(type(layer).forward)  # FSDP's subclass inherits the layer's forward
+        fn = _own_forward(type(layer).forward, checkpointing)
         if fn not in kept:
-            name = "train.layer." + fn.__qualname__.split(".")[0]
-            kept[fn] = precompiled(fn, name=name, dynamic=True)
+            if hasattr(fn, "__wrapped__"):
+                kept[fn] = torch.compile(fn, dynamic=True)
+            else:
+                name = "train.layer." + fn.__qualname__.split(".")[0]
+                kept[fn] = precompiled(fn, name=name, dynamic=True)
         layer.forward = types.MethodType(kept[fn], layer)
         layer._arl_compiled_forward = True
 
 
-def _undeprecated(fn: Any) -> Any:
-    """``fn`` without transformers' ``deprecate_kwarg`` wrappers, which only accept an old name
-    of a keyword that the model's own calls do not use (and which torch cannot serialise: they
-    hold the function that their module's name now gives the wrapper)."""
-    while hasattr(fn, "__wrapped__") and fn.__code__.co_filename.endswith(_DEPRECATION_FILE):
+# (file, function name) of the wrappers `_own_forward` takes off: transformers' deprecate_kwarg
+# always, its gradient-checkpointing wrapper where checkpointing is off.
+_RENAMING = (os.path.join("transformers", "utils", "deprecation.py"), None)
+_CHECKPOINTING = (os.path.join("transformers", "modeling_layers.py"), "forward_with_checkpointing")
+
+
+def _own_forward(fn: Any, checkpointing: bool) -> Any:
+    """``fn`` without the wrappers that do nothing in a training pass (`compile_forwards`)."""
+    idle = [_RENAMING] + ([] if checkpointing else [_CHECKPOINTING])
+    while hasattr(fn, "__wrapped__") and any(
+        fn.__code__.co_filename.endswith(path) and name in (None, fn.__code__.co_name)
+        for path, name in idle
+    ):
         fn = fn.__wrapped__
     return fn
-
-
-_DEPRECATION_FILE = os.path.join("transformers", "utils", "deprecation.py")
 
 
 def compiled_layers(model: torch.nn.Module) -> int:

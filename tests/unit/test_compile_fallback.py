@@ -95,16 +95,21 @@ def test_compiled_forwards_are_kept_loaded_by_a_later_model_and_undone(tmp_path,
     torch.testing.assert_close(_run(layers, x)[0], want[0])
 
 
-def test_a_transformers_decoder_layer_compiles_to_the_same_gradients(tmp_path, monkeypatch):
-    """The real layer class (its forward behind transformers' deprecate_kwarg): logits and
-    gradients as eager, kept under ARL_CACHE or (where transformers' hub kernels give the layer
-    a class torch cannot serialise) compiled plainly."""
+def test_a_transformers_decoder_layer_is_kept_and_loaded_with_the_same_gradients(
+    tmp_path, monkeypatch
+):
+    """The real layer class: its forward behind transformers' deprecate_kwarg, and with the
+    `kernels` package installed, a class made inside a function for its rotary embedding
+    (named for torch by `arl.precompile`). Logits and gradients as eager; a later model loads
+    the layers' compiled function without tracing."""
+    from torch._dynamo.utils import counters
     from transformers import LlamaForCausalLM
 
     from arl.train.sharding import compile_forwards, compiled_layers
     from tests.support.tiny_model import make_tiny_model
 
     monkeypatch.setenv("ARL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("ARL_PRECOMPILE", raising=False)
     path = make_tiny_model(tmp_path / "tiny")
     ids = torch.randint(0, 1000, (1, 23), generator=torch.Generator().manual_seed(0))
 
@@ -114,11 +119,53 @@ def test_a_transformers_decoder_layer_compiles_to_the_same_gradients(tmp_path, m
         logits.pow(2).mean().backward()
         return logits.detach(), [p.grad.clone() for p in model.parameters()]
 
-    model = LlamaForCausalLM.from_pretrained(path, attn_implementation="sdpa")
-    want = run(model)
-    compile_forwards(list(model.model.layers))
-    assert compiled_layers(model) == 2
-    got = run(model)
-    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
-    for a, b in zip(got[1], want[1], strict=True):
+    want = run(LlamaForCausalLM.from_pretrained(path, attn_implementation="sdpa"))
+    for loaded in (0, 1):
+        counters.clear()
+        model = LlamaForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+        compile_forwards(list(model.model.layers))
+        assert compiled_layers(model) == 2
+        got = run(model)
+        torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+        for a, b in zip(got[1], want[1], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        kept = model.model.layers[0].forward.__func__
+        assert (kept.loaded, kept.compiled) == (loaded, 1 - loaded)
+        assert counters["stats"]["unique_graphs"] == 1 - loaded
+
+
+def test_with_gradient_checkpointing_the_checkpointing_wrapper_stays(tmp_path, monkeypatch):
+    """Gradient checkpointing on: where transformers checkpoints inside a wrapper of forward,
+    that wrapper is compiled with it (plainly: torch cannot load a function that holds another),
+    and the gradients are eager's."""
+    from transformers import LlamaForCausalLM
+
+    from arl.precompile import Precompiled
+    from arl.train.sharding import compile_forwards
+    from tests.support.tiny_model import make_tiny_model
+
+    monkeypatch.setenv("ARL_CACHE", str(tmp_path / "cache"))
+    path = make_tiny_model(tmp_path / "tiny")
+    ids = torch.randint(0, 1000, (1, 19), generator=torch.Generator().manual_seed(1))
+
+    def run(model: torch.nn.Module) -> list:
+        model.zero_grad()
+        model(input_ids=ids, use_cache=False).logits.pow(2).mean().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    def load() -> torch.nn.Module:
+        model = LlamaForCausalLM.from_pretrained(path, attn_implementation="sdpa").train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+
+    want = run(load())
+    model = load()
+    compile_forwards(list(model.model.layers), checkpointing=True)
+    compiled = model.model.layers[0].forward.__func__
+    wrapped = hasattr(type(model.model.layers[0]).forward, "__wrapped__")
+    checkpoints_in_forward = (
+        "forward_with_checkpointing" in type(model.model.layers[0]).forward.__code__.co_name
+    )
+    assert isinstance(compiled, Precompiled) == (not checkpoints_in_forward or not wrapped)
+    for a, b in zip(run(model), want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
