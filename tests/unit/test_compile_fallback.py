@@ -162,10 +162,7 @@ def test_with_gradient_checkpointing_the_checkpointing_wrapper_stays(tmp_path, m
     model = load()
     compile_forwards(list(model.model.layers), checkpointing=True)
     compiled = model.model.layers[0].forward.__func__
-    wrapped = hasattr(type(model.model.layers[0]).forward, "__wrapped__")
-    checkpoints_in_forward = (
-        "forward_with_checkpointing" in type(model.model.layers[0]).forward.__code__.co_name
-    )
-    assert isinstance(compiled, Precompiled) == (not checkpoints_in_forward or not wrapped)
+    outer = type(model.model.layers[0]).forward.__code__.co_name  # transformers' version decides
+    assert isinstance(compiled, Precompiled) is (outer != "forward_with_checkpointing")
     for a, b in zip(run(model), want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
