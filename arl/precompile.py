@@ -172,7 +172,7 @@ class Precompiled:
         grad = torch.is_grad_enabled()
         entries = self._all
         for i, (mode, entry) in enumerate(entries):
-            if mode == grad and entry.guard_check(*args, **kwargs):
+            if mode == grad and _accepts(entry, args, kwargs):
                 if i:  # most recently used first: calls come in runs of one shape
                     entries.insert(0, entries.pop(i))
                 return entry
@@ -277,6 +277,15 @@ class Precompiled:
                 (self._dir / f"{self.name}-{self.key()}.off").write_text(why + "\n")
             except (OSError, TypeError):
                 pass
+
+
+def _accepts(entry: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether ``entry``'s guards accept this call; a call they cannot even be checked on (its
+    arguments do not bind to the signature the entry was compiled for) is refused too."""
+    try:
+        return bool(entry.guard_check(*args, **kwargs))
+    except Exception:  # noqa: BLE001 - then another entry, or a new one, serves it
+        return False
 
 
 def _load_entry(path: Path, fn: Callable) -> Any:
