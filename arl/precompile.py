@@ -245,7 +245,7 @@ class Precompiled:
             self._dir.mkdir(parents=True, exist_ok=True)
             # To a temporary file, then renamed; the closure's functions by reference.
             with _gradients_set_aside(args, kwargs):
-                entry.save_compiled_function(str(path), external_data=_closure_functions(self.fn))
+                entry.save_compiled_function(str(path), **_external(self.fn))
         except Exception as exc:  # noqa: BLE001 - kept in memory for this process only
             path.unlink(missing_ok=True)
             self._warn(f"its compiled entry cannot be saved ({_first_line(exc)})", mark=False)
@@ -294,9 +294,7 @@ def _load_entry(path: Path, fn: Callable) -> Any:
     # Unpickling some guard sources installs a guard, which needs a tracing context (torch
     # 2.11-2.13 raise "TracingContext.get() must be called within an ongoing trace" without).
     with path.open("rb") as f, tracing(TracingContext(None)):
-        entry = torch.compiler.load_compiled_function(
-            f, f_globals=fn.__globals__, external_data=_closure_functions(fn)
-        )
+        entry = torch.compiler.load_compiled_function(f, f_globals=fn.__globals__, **_external(fn))
     if not callable(getattr(entry, "guard_check", None)):
         raise TypeError("this torch's compiled functions cannot check their guards")
     if hasattr(entry, "disable_guard_check"):  # `Precompiled._find` checks them first
@@ -400,6 +398,13 @@ def _name_local_class(cls: type, where: str) -> None:
     if module is not None and getattr(module, alias, cls) is cls:
         setattr(module, alias, cls)
         cls.__name__ = cls.__qualname__ = alias  # torch saves a type by this name only
+
+
+def _external(fn: Callable) -> dict[str, Any]:
+    """``external_data=`` the functions of ``fn``'s closure, where it has any (a torch whose
+    save and load take no such argument still keeps the others)."""
+    functions = _closure_functions(fn)
+    return {"external_data": functions} if functions else {}
 
 
 def _closure_functions(fn: Callable) -> dict[str, Callable]:
