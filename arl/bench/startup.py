@@ -58,6 +58,7 @@ _LINES = {
     ),
     "train_ready": re.compile(
         rf"rank 0: ready in {_NUM} s \(load {_NUM} s, prime {_NUM} s(?:; process group {_NUM} s)?\)"
+        rf"(?:; compiled functions kept: {_NUM} loaded, {_NUM} compiled)?"
     ),
     "train_warm_up": re.compile(rf"rank 0: warmed up \(compile=\w+\) in {_NUM} s"),
 }
@@ -73,7 +74,7 @@ _KEYS = {
         "kept_compiled_n",
     ),
     "train_created": ("took_s", "import_s"),
-    "train_ready": ("took_s", "load_s", "prime_s", "group_s"),
+    "train_ready": ("took_s", "load_s", "prime_s", "group_s", "kept_loaded_n", "kept_compiled_n"),
     "train_warm_up": ("took_s",),
 }
 
@@ -177,6 +178,12 @@ _TABLE = [
     ("train rank 0: load", "train_ready", "load_s"),
     ("train rank 0: of it, process group", "train_ready", "group_s"),
     ("train rank 0: prime (compile)", "train_ready", "prime_s"),
+    (
+        "train rank 0: compiled functions loaded from ARL_CACHE (count)",
+        "train_ready",
+        "kept_loaded_n",
+    ),
+    ("train rank 0: compiled functions compiled into it (count)", "train_ready", "kept_compiled_n"),
     ("train rank 0 ready, since launch", "train_ready", "at_s"),
     ("train rank 0: warm-up (during step 1)", "train_warm_up", "took_s"),
 ]

@@ -62,6 +62,7 @@ from arl.train.sharding import (
     compile_failed,
     compute_dtype,
     full_tensor,
+    kept_functions,
     load_sharded,
     local_tensor,
     uncompile_layers,
@@ -196,13 +197,15 @@ class FSDPEngine:
         self.graphs = self._graphs_if_they_pay()
         self.prime()
         # One line per rank that `python -m arl.bench startup` reads back from the run's log.
+        kept = kept_functions(self.forward_model, self.device)
         log.info(
-            "rank %d: ready in %.1f s (load %.1f s, prime %.1f s; process group %.1f s)",
+            "rank %d: ready in %.1f s (load %.1f s, prime %.1f s; process group %.1f s)%s",
             self.rank,
             time.perf_counter() - t_start,
             self.load_s,
             self.prime_s,
             group_s,
+            f"; compiled functions kept: {kept[0]} loaded, {kept[1]} compiled" if any(kept) else "",
         )
 
     def _graphs_if_they_pay(self) -> MicroBatchGraphs | None:

@@ -311,6 +311,7 @@ def _compiled_or_eager(fn):
         state["proven"] = True
         return out
 
+    call.kept = kept  # type: ignore[attr-defined]  # for the rank's ready line
     return call
 
 

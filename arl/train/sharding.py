@@ -14,8 +14,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor
 
 from arl.config import ActorConfig
-from arl.precompile import precompiled
-from arl.train.logp import ChunkedLogpHead, register_varlen, transforms_logits
+from arl.precompile import Precompiled, precompiled
+from arl.train.logp import ChunkedLogpHead, chunk_kernels, register_varlen, transforms_logits
 from arl.train.lora import compute_adapters_in, inject_adapters
 from arl.train.master import MasterWeights
 from arl.train.offload import HostMasterWeights
@@ -172,6 +172,17 @@ def _own_forward(fn: Any, checkpointing: bool) -> Any:
     ):
         fn = fn.__wrapped__
     return fn
+
+
+def kept_functions(model: torch.nn.Module, device: torch.device) -> tuple[int, int]:
+    """The compiled functions of a train rank kept under ``ARL_CACHE`` (`arl.precompile`): its
+    layers' and, on CUDA, the log-prob head's; how many were loaded from it and how many
+    compiled into it, in this process so far."""
+    fns = {m.forward.__func__ for m in model.modules() if m.__dict__.get("_arl_compiled_forward")}
+    if device.type == "cuda":
+        fns |= {getattr(k, "kept", None) for k in chunk_kernels(device)}
+    kept = [f for f in fns if isinstance(f, Precompiled)]
+    return sum(f.loaded for f in kept), sum(f.compiled for f in kept)
 
 
 def compiled_layers(model: torch.nn.Module) -> int:

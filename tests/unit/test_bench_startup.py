@@ -104,7 +104,7 @@ def _run(first_end: float, exit_at: float) -> dict:
             _line(T0 + 9.0, "arl.rollout rollout setup in 6.2 s (imports 1.0 s, reward and "
                   "workflow 0.1 s, tokenizer 0.5 s, engine 4.6 s)"),
             _line(T0 + 8.0, "arl.train.fsdp rank 0: ready in 5.0 s (load 2.0 s, prime 3.0 s; "
-                  "process group 0.5 s)"),
+                  "process group 0.5 s); compiled functions kept: 3 loaded, 1 compiled"),
             _line(T0 + 8.0, "arl.node node train0: created train (arl.node.train:TrainWorker) "
                   "in 5.2 s (import 0.2 s)"),
             _line(T0 + 8.1, "arl.node node train0: created weights (arl.weights.zmq:ZmqSender) "
@@ -128,6 +128,7 @@ def test_the_tracked_figures_and_phases_come_from_the_metrics_and_the_log():
     )  # fmt: skip
     assert p["train_ready"]["prime_s"] == 3.0 and p["train_warm_up"]["took_s"] == 1.5
     assert p["train_ready"]["group_s"] == 0.5 and p["train_created"]["import_s"] == 0.2
+    assert (p["train_ready"]["kept_loaded_n"], p["train_ready"]["kept_compiled_n"]) == (3, 1)
     assert p["config_saved"]["at_s"] == pytest.approx(1.25, abs=0.002)
     assert p["rollout_setup"] == pytest.approx(
         {"at_s": 9.0, "took_s": 6.2, "imports_s": 1.0, "reward_s": 0.1, "tokenizer_s": 0.5,

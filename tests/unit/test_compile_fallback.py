@@ -69,7 +69,7 @@ def test_compiled_forwards_are_kept_loaded_by_a_later_model_and_undone(tmp_path,
     returns the layers to eager."""
     from torch._dynamo.utils import counters
 
-    from arl.train.sharding import compile_forwards, compiled_layers
+    from arl.train.sharding import compile_forwards, compiled_layers, kept_functions
 
     monkeypatch.setenv("ARL_CACHE", str(tmp_path))
     monkeypatch.delenv("ARL_PRECOMPILE", raising=False)
@@ -90,6 +90,7 @@ def test_compiled_forwards_are_kept_loaded_by_a_later_model_and_undone(tmp_path,
         assert (kept.loaded, kept.compiled) == (loaded, 1 - loaded)  # one for the three layers
         assert kept is layers[2].forward.__func__
         assert counters["stats"]["unique_graphs"] == 1 - loaded
+        assert kept_functions(layers, torch.device("cpu")) == (loaded, 1 - loaded)
     assert uncompile_layers(layers) == 3 and compiled_layers(layers) == 0
     assert "forward" not in layers[0].__dict__
     torch.testing.assert_close(_run(layers, x)[0], want[0])
