@@ -167,3 +167,34 @@ def test_with_gradient_checkpointing_the_checkpointing_wrapper_stays(tmp_path, m
     assert isinstance(compiled, Precompiled) is (outer != "forward_with_checkpointing")
     for a, b in zip(run(model), want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_the_engines_norm_and_mlp_blocks_are_kept_and_loaded(tmp_path, monkeypatch):
+    """The hf engine's blocks where it decodes through the model's modules (LoRA, other
+    families): one compiled forward per block class, compiled at the probe's shapes into
+    ARL_CACHE; a later model loads them all and traces nothing; outputs as eager."""
+    from torch._dynamo.utils import counters
+    from transformers import LlamaForCausalLM
+
+    from arl.engines.hf.attention import compile_norm_and_mlp
+    from tests.support.tiny_model import make_tiny_model
+
+    monkeypatch.setenv("ARL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("ARL_PRECOMPILE", raising=False)
+    path = make_tiny_model(tmp_path / "tiny")
+    x = torch.randn(2, 3, 64)
+    counts = []
+    for _ in range(2):
+        counters.clear()
+        model = LlamaForCausalLM.from_pretrained(path).eval()
+        layer = model.model.layers[0]
+        with torch.no_grad():
+            want = [layer.mlp(x), layer.input_layernorm(x)]
+            assert compile_norm_and_mlp(model) == 7  # two MLPs, five norms
+            got = [layer.mlp(x), layer.input_layernorm(x)]
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        mlp = layer.mlp.forward.__func__
+        assert mlp is model.model.layers[1].mlp.forward.__func__  # one per class
+        counts.append((mlp.loaded > 0, mlp.compiled > 0, counters["stats"]["unique_graphs"] > 0))
+    assert counts == [(False, True, True), (True, False, False)]

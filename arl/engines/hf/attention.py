@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import inspect
 import logging
+import types
 from typing import Any
 
 import torch
+
+from arl.precompile import precompiled
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +59,8 @@ def register_attention() -> str:
 
 
 def compile_norm_and_mlp(model: Any) -> int:
-    """``torch.compile`` the forward of every RMSNorm and MLP block of ``model`` in place.
+    """``torch.compile`` the forward of every RMSNorm and MLP block of ``model`` in place (one
+    compiled function per block class, kept under ``ARL_CACHE`` by `arl.precompile`).
 
     Each distinct block runs here on dummy inputs of every (rows, tokens) kind the engine
     feeds it: one or several rows, one token (decode) or several (prefill). The compiler
@@ -72,8 +76,14 @@ def compile_norm_and_mlp(model: Any) -> int:
     ]
     if not blocks:
         return 0
+    # One compiled forward per block class, with the block as its first argument, kept under
+    # ARL_CACHE (arl.precompile): a later run loads it instead of tracing it again.
+    kept: dict[type, Any] = {}
     for m in blocks:
-        m.forward = torch.compile(m.forward, dynamic=True)
+        cls = type(m)
+        if cls not in kept:
+            kept[cls] = precompiled(cls.forward, name=f"hf.block.{cls.__name__}", dynamic=True)
+        m.forward = types.MethodType(kept[cls], m)
     try:
         hidden = model.config.hidden_size
         param = next(model.parameters())
