@@ -22,6 +22,9 @@ Python versions and ``dynamic``; the device (the CUDA capability and Triton's ve
 CPU's vector ISA) and the grad mode an entry was compiled under are in its file's name and
 checked first.
 
+Calls under ``torch.inference_mode`` compile plainly: an entry loaded back and run in that mode
+loses its in-place updates of inputs (torch 2.13), so none is used or kept there.
+
 Anything that goes wrong on this path falls back to plain ``torch.compile`` with one warning:
 a torch without ``aot_compile``, a function it cannot trace whole or serialise, an entry that
 does not load. When plain compilation then works, the key is marked (``<name>-<key>.off``, the
@@ -120,12 +123,19 @@ class Precompiled:
         self._entries: dict[str, list[tuple[bool, Any]]] = {}
         self._all: list[tuple[bool, Any]] = []  # every entry, in the order they are tried
         self._plain: Callable | None = None  # torch.compile(fn) once this path is given up
+        self._inference: Callable | None = None  # torch.compile(fn), for inference-mode calls
         self._why: str | None = None  # why it was given up, warned once plain compiles work
         self._lock = threading.Lock()
         self.loaded = 0  # entries loaded from disk
         self.compiled = 0  # entries compiled in this process
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_inference_mode_enabled():
+            # An entry loaded back and run under inference mode loses its in-place updates of
+            # inputs (torch 2.13: a KV cache write): such calls compile plainly.
+            if self._inference is None:
+                self._inference = torch.compile(self.fn, dynamic=self.dynamic)
+            return self._inference(*args, **kwargs)
         if self._plain is None:
             entry = self._find(args, kwargs)
             if entry is not None:

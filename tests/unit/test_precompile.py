@@ -47,6 +47,11 @@ def cosine(x):
     return x.cos()
 
 
+def write_into(x, cache, rows):
+    cache[rows] = x.sin()  # an input updated in place, as the engine's KV cache is
+    return x * 2
+
+
 def with_break(x):
     print("a graph break")  # fullgraph tracing refuses this; plain torch.compile splits here
     return x.sin() + 1
@@ -69,9 +74,8 @@ def fns(tmp_path: Path):
 
 def _inputs(rows: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(rows)
-    return torch.randn(rows, 16, generator=g, dtype=dtype), torch.randn(
-        16, 8, generator=g, dtype=dtype
-    )
+    x = torch.randn(rows, 16, generator=g, dtype=dtype)
+    return x, torch.randn(16, 8, generator=g, dtype=dtype)
 
 
 def _files(cache: Path, suffix: str = ".bin") -> list[str]:
@@ -188,6 +192,27 @@ def test_past_its_most_entries_a_function_compiles_plainly(
     assert p.compiled == 2 and len(_files(tmp_path)) == 2
     assert "2 entries compiled in this process, the most it may" in caplog.text
     assert len(_files(tmp_path, ".off")) == 1
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_an_input_updated_in_place_is_updated_by_a_loaded_entry(
+    fns, tmp_path: Path, mode: str
+) -> None:
+    """The KV cache write of the engine's fused `attn_in`: a later instance's call updates the
+    cache as eager does. Under inference mode (where a loaded entry loses the update) calls
+    compile plainly and keep nothing."""
+    for attempt in range(2):
+        p = Precompiled(fns.write_into, name="t.write", dynamic=True, cache_dir=str(tmp_path))
+        with getattr(torch, mode)():
+            x, rows = torch.randn(3, 4), torch.tensor([0, 2, 5])
+            cache, want = torch.zeros(6, 4), torch.zeros(6, 4)
+            out = p(x, cache, rows)
+            want_out = fns.write_into(x, want, rows)
+        torch.testing.assert_close(out, want_out)
+        torch.testing.assert_close(cache, want)
+        kept = (p.loaded, p.compiled)
+        assert kept == ((attempt, 1 - attempt) if mode == "no_grad" else (0, 0))
+    assert len(_files(tmp_path)) == (1 if mode == "no_grad" else 0)
 
 
 def test_off_compiles_plainly_and_keeps_nothing(
