@@ -119,8 +119,7 @@ class Precompiled:
         self._also = tuple(Path(p) for p in also)
         self._dir = precompile_dir(cache_dir)
         self._key: str | None = None
-        # (grad mode, compiled function) of each device tag whose saved entries were looked for
-        self._entries: dict[str, list[tuple[bool, Any]]] = {}
+        self._tags: set[str] = set()  # device tags whose saved entries were looked for
         self._all: list[tuple[bool, Any]] = []  # every entry, in the order they are tried
         self._plain: Callable | None = None  # torch.compile(fn) once this path is given up
         self._inference: Callable | None = None  # torch.compile(fn), for inference-mode calls
@@ -193,16 +192,16 @@ class Precompiled:
         call, if any. Under the lock."""
         try:
             tag = _device_tag(args, kwargs)
-            if tag in self._entries:
+            if tag in self._tags:
                 return self._find(args, kwargs)  # another thread may have added one
             stem = f"{self.name}-{self.key()}"
         except (OSError, TypeError) as exc:  # no source file, or a closure not to be keyed
             self._give_up(f"it cannot be keyed ({exc})")
             return None
-        self._entries[tag] = loaded = []
+        self._tags.add(tag)
+        loaded: list[tuple[bool, Any]] = []
         if self._dir.is_dir():
-            off = sorted(self._dir.glob(f"{stem}.off"))
-            if off:  # an earlier run found this path failing: plain, without a warning
+            if (self._dir / f"{stem}.off").exists():  # an earlier run found this path failing
                 self._plain = torch.compile(self.fn, dynamic=self.dynamic)
                 return None
             files = sorted(self._dir.glob(f"{stem}{tag}-g*.bin"), key=lambda p: p.stat().st_mtime)
@@ -212,7 +211,7 @@ class Precompiled:
                 try:
                     loaded.append((_grad_mode(path), _load_entry(path, self.fn)))
                 except Exception as exc:  # noqa: BLE001 - a torch that cannot load its own entry
-                    self._give_up(f"its entry {path.name} does not load ({_first_line(exc)})")
+                    self._give_up(f"its entry {path.name} does not load ({first_line(exc, 200)})")
                     return None
         self._all.extend(loaded)
         self.loaded += len(loaded)
@@ -240,7 +239,7 @@ class Precompiled:
             with dynamo_config.patch(floats), _gradients_set_aside(args, kwargs):
                 entry = compiler.aot_compile((args, kwargs))
         except Exception as exc:  # noqa: BLE001 - plain compilation raises it again if it is its
-            self._give_up(f"aot_compile failed ({_first_line(exc)})")
+            self._give_up(f"aot_compile failed ({first_line(exc, 200)})")
             return None
         if not callable(getattr(entry, "guard_check", None)):
             self._give_up("this torch's compiled functions cannot check their guards")
@@ -258,7 +257,7 @@ class Precompiled:
                 entry.save_compiled_function(str(path), **_external(self.fn))
         except Exception as exc:  # noqa: BLE001 - kept in memory for this process only
             path.unlink(missing_ok=True)
-            self._warn(f"its compiled entry cannot be saved ({_first_line(exc)})", mark=False)
+            self._warn(f"its compiled entry cannot be saved ({first_line(exc, 200)})", mark=False)
         else:
             t2 = time.perf_counter()
             log.debug(
@@ -287,6 +286,21 @@ class Precompiled:
                 (self._dir / f"{self.name}-{self.key()}.off").write_text(why + "\n")
             except (OSError, TypeError):
                 pass
+
+
+def kept_counts(fns: Iterable[Any]) -> tuple[int, int]:
+    """Of the `Precompiled` among ``fns``: entries loaded from disk and entries compiled, in
+    this process so far."""
+    kept = [f for f in fns if isinstance(f, Precompiled)]
+    return sum(f.loaded for f in kept), sum(f.compiled for f in kept)
+
+
+def kept_note(counts: tuple[int, int]) -> str:
+    """The end of a ready line that `python -m arl.bench startup` reads back ("" for none)."""
+    loaded, compiled = counts
+    if not (loaded or compiled):
+        return ""
+    return f"; compiled functions kept: {loaded} loaded, {compiled} compiled"
 
 
 def _accepts(entry: Any, args: tuple, kwargs: dict) -> bool:
@@ -460,6 +474,8 @@ def _device_tag(args: tuple, kwargs: dict) -> str:
     return ""
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """The exception's kind and the first line of its message, which names the cause (the rest
+    of a compiler's message is its whole graph dump); an empty message gives the kind alone."""
     lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
+    return f"{type(exc).__name__}: {lines[0][:limit]}" if lines else type(exc).__name__

@@ -46,6 +46,7 @@ from arl.algo.schedule import lr_at
 from arl.compile_cache import use_compile_cache
 from arl.config import ActorConfig, ConfigError
 from arl.engines.lora import is_lora_name, save_adapter
+from arl.precompile import kept_note
 from arl.train.activations import activation_bytes_per_token
 from arl.train.graphs import MicroBatchGraphs
 from arl.train.logp import (
@@ -197,7 +198,6 @@ class FSDPEngine:
         self.graphs = self._graphs_if_they_pay()
         self.prime()
         # One line per rank that `python -m arl.bench startup` reads back from the run's log.
-        kept = kept_functions(self.forward_model, self.device)
         log.info(
             "rank %d: ready in %.1f s (load %.1f s, prime %.1f s; process group %.1f s)%s",
             self.rank,
@@ -205,7 +205,7 @@ class FSDPEngine:
             self.load_s,
             self.prime_s,
             group_s,
-            f"; compiled functions kept: {kept[0]} loaded, {kept[1]} compiled" if any(kept) else "",
+            kept_note(kept_functions(self.forward_model, self.device)),
         )
 
     def _graphs_if_they_pay(self) -> MicroBatchGraphs | None:

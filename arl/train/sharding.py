@@ -14,7 +14,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor
 
 from arl.config import ActorConfig
-from arl.precompile import Precompiled, precompiled
+from arl.precompile import kept_counts, precompiled
 from arl.train.logp import ChunkedLogpHead, chunk_kernels, register_varlen, transforms_logits
 from arl.train.lora import compute_adapters_in, inject_adapters
 from arl.train.master import MasterWeights
@@ -181,8 +181,7 @@ def kept_functions(model: torch.nn.Module, device: torch.device) -> tuple[int, i
     fns = {m.forward.__func__ for m in model.modules() if m.__dict__.get("_arl_compiled_forward")}
     if device.type == "cuda":
         fns |= {getattr(k, "kept", None) for k in chunk_kernels(device)}
-    kept = [f for f in fns if isinstance(f, Precompiled)]
-    return sum(f.loaded for f in kept), sum(f.compiled for f in kept)
+    return kept_counts(fns)
 
 
 def compiled_layers(model: torch.nn.Module) -> int:

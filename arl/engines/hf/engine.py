@@ -56,7 +56,7 @@ from arl.engines.hf.sampling import sample_rows
 from arl.engines.hf.steps import Launched, StepOutputs, upload
 from arl.engines.hf.weights import checksum_named_tensors, is_adapter_folder, iter_weights_folder
 from arl.engines.lora import add_lora, is_lora_name, lora_enabled, lora_tensors
-from arl.precompile import Precompiled
+from arl.precompile import kept_counts, kept_note
 
 if TYPE_CHECKING:
     from arl.engines.spec import EngineSpec
@@ -289,14 +289,13 @@ class HFEngine:
         if warm_up_len and self.cuda_graphs:
             self._warm_up(min(warm_up_len, max_seq_len))
         # One line that `python -m arl.bench startup` reads back from the run's log.
-        kept = self.kept_functions()
         logger.info(
             "hf engine ready in %.1f s (load %.1f s, compile %.1f s, graphs %.1f s)%s",
             time.perf_counter() - t_start,
             self.load_s,
             self.compile_s,
             self.warm_up_s,
-            f"; compiled functions kept: {kept[0]} loaded, {kept[1]} compiled" if any(kept) else "",
+            kept_note(self.kept_functions()),
         )
 
     def kept_functions(self) -> tuple[int, int]:
@@ -304,8 +303,7 @@ class HFEngine:
         many were loaded from it and how many compiled into it, in this process so far."""
         fns = [compiled_flex_function() if self._flex is not None else None]
         fns += list(self._fused.functions) if self._fused is not None else []
-        kept = [f for f in fns if isinstance(f, Precompiled)]
-        return sum(f.loaded for f in kept), sum(f.compiled for f in kept)
+        return kept_counts(fns)
 
     # ----------------------------------------------------------------- public API
 

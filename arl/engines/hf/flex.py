@@ -33,7 +33,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from arl.engines.hf.attention import grouped_decode_attention
 from arl.engines.hf.graphs import row_bucket
 from arl.engines.hf.kv_cache import SlotKVCache
-from arl.precompile import precompiled
+from arl.precompile import first_line, precompiled
 
 logger = logging.getLogger(__name__)
 
@@ -143,13 +143,6 @@ def compiled_flex_function() -> Any:
 _BROKEN = False  # compiled flex failed at a shape after the build's probe passed
 
 
-def _first_line(exc: BaseException) -> str:
-    """The exception's kind and the first line of its message, which names the cause (the rest
-    of a compiler's message is its whole graph dump); an empty message gives the kind alone."""
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__
-
-
 def _compiled_flex(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: BlockMask, scale: float
 ) -> torch.Tensor:
@@ -160,7 +153,7 @@ def _compiled_flex(
         except Exception as exc:  # noqa: BLE001 - a shape the build's probe did not cover
             # Compilation runs in the eager passes before a graph is captured, so the reference
             # can stand in from here on: slower (it reads every position), but rollout goes on.
-            why, shape = _first_line(exc), tuple(query.shape)
+            why, shape = first_line(exc), tuple(query.shape)
             logger.warning("compiled flex_attention failed at %s (%s); eager from here", shape, why)
             _BROKEN = True
     return _eager_flex(query, key, value, mask, scale)
@@ -257,7 +250,7 @@ def flex_decode(
         with torch.no_grad():
             _run_compiled(q, k, torch.zeros_like(k), mask.block_mask(rows, width), dim**-0.5)
     except Exception as exc:  # noqa: BLE001 - any compiler failure: keep SDPA
-        why = _first_line(exc)
+        why = first_line(exc)
         logger.warning("torch.compile of flex_attention failed (%s); decoding with SDPA", why)
         return None
     return mask, _compiled_flex
