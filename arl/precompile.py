@@ -227,9 +227,14 @@ class Precompiled:
         if self.compiled >= self.max_compiled:
             self._give_up(f"{self.compiled} entries compiled in this process, the most it may")
             return None
-        compiler = torch.compile(self.fn, fullgraph=True, dynamic=self.dynamic)
         t0 = time.perf_counter()
         import torch._dynamo.config as dynamo_config  # here: importing dynamo takes ~1 s
+
+        # torch.compile attaches `aot_compile` only while this flag is on (off by default in
+        # torch 2.11, on in 2.13).
+        aot = {"enable_aot_compile": True} if hasattr(dynamo_config, "enable_aot_compile") else {}
+        with dynamo_config.patch(aot):
+            compiler = torch.compile(self.fn, fullgraph=True, dynamic=self.dynamic)
 
         # Floats as constants (guarded): tracing them as tensors restarts the trace, which
         # aot_compile cannot (TensorifyScalarRestartAnalysis).

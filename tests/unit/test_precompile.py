@@ -103,6 +103,23 @@ def test_a_later_instance_loads_what_an_earlier_one_compiled_and_traces_nothing(
     assert counters["stats"]["unique_graphs"] == 0  # dynamo traced nothing
 
 
+def test_kept_where_torch_leaves_aot_compile_off_by_default(fns, tmp_path: Path) -> None:
+    """torch 2.11 attaches ``aot_compile`` to a compiled function only under dynamo's
+    ``enable_aot_compile``, off there by default: `precompiled` turns it on for its own compile."""
+    import torch._dynamo.config as dynamo_config
+
+    if not hasattr(dynamo_config, "enable_aot_compile"):
+        pytest.skip("this torch has no enable_aot_compile flag")
+    fn = fns.make(1e-5, 2.0)
+    with dynamo_config.patch(enable_aot_compile=False), torch.no_grad():
+        first = Precompiled(fn, name="t.fn", dynamic=True, cache_dir=str(tmp_path))
+        torch.testing.assert_close(first(*_inputs(4)), fn(*_inputs(4)))
+        later = Precompiled(fn, name="t.fn", dynamic=True, cache_dir=str(tmp_path))
+        torch.testing.assert_close(later(*_inputs(5)), fn(*_inputs(5)))
+    assert (first.compiled, later.loaded, later.compiled) == (1, 1, 0)
+    assert _files(tmp_path, ".off") == []
+
+
 def test_a_closure_constant_is_in_the_key(fns, tmp_path: Path) -> None:
     """The artifact bakes the closure in: another epsilon or scale must not reuse it."""
     a, b = fns.make(1e-5, 2.0), fns.make(1e-5, 3.0)
