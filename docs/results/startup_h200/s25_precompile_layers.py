@@ -50,7 +50,13 @@ got = step(model, tokens + 37)
 second_s = time.perf_counter() - t1
 g.manual_seed(1)
 want = step(reference, tokens + 37)
-same = all(torch.allclose(a, b, atol=1e-4, rtol=1e-3) for a, b in zip(got, want, strict=True))
+# Compiled and eager kernels round differently: fp32 agrees to ~1e-4, bf16 to ~1e-2 of the
+# gradient's scale; the worst parameter's error relative to its largest entry is reported.
+worst = max(
+    ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+    for a, b in zip(got, want, strict=True)
+)
+same = worst <= (3e-2 if dtype == torch.bfloat16 else 1e-3)
 kept = model.model.layers[0].forward.__func__
 print(
     json.dumps(
@@ -61,6 +67,7 @@ print(
             "precompiled_loaded": getattr(kept, "loaded", 0),
             "precompiled_compiled": getattr(kept, "compiled", 0),
             "grads_equal": same,
+            "grads_worst_rel_err": round(worst, 5),
             "torch": torch.__version__,
         }
     )
