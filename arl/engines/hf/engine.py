@@ -57,6 +57,7 @@ from arl.engines.hf.steps import Launched, StepOutputs, upload
 from arl.engines.hf.weights import checksum_named_tensors, is_adapter_folder, iter_weights_folder
 from arl.engines.lora import add_lora, is_lora_name, lora_enabled, lora_tensors
 from arl.precompile import kept_counts, kept_note
+from arl.transformers_imports import defer_sklearn
 
 if TYPE_CHECKING:
     from arl.engines.spec import EngineSpec
@@ -149,6 +150,7 @@ class HFEngine:
             )
         use_compile_cache()  # before the blocks and flex attention compile
         t_start = time.perf_counter()
+        defer_sklearn()  # before transformers' first import: ~1 s on the releases it applies to
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
