@@ -30,7 +30,10 @@ a torch without ``aot_compile``, a function it cannot trace whole or serialise, 
 does not load. When plain compilation then works, the key is marked (``<name>-<key>.off``, the
 reason inside), so later runs skip the attempt; a failure of compilation itself (no C++
 compiler, say) is raised as ``torch.compile`` would raise it, to the caller's own fallback.
-``ARL_PRECOMPILE=0`` turns the whole path off. Entries are pickles written by torch, as
+``ARL_PRECOMPILE=0`` turns the whole path off. A function's entries and marks under other
+keys (an arl, transformers or model since changed) are removed once no process has loaded or
+written them for 14 days; a torch upgrade leaves the old ``torch-<version>`` folder, which
+``rm -rf`` reclaims. Entries are pickles written by torch, as
 inductor's own cache entries are: the cache directory must be as trusted as the code.
 """
 
@@ -201,6 +204,7 @@ class Precompiled:
         self._tags.add(tag)
         loaded: list[tuple[bool, Any]] = []
         if self._dir.is_dir():
+            _prune_stale(self._dir, self.name, self.key())
             if (self._dir / f"{stem}.off").exists():  # an earlier run found this path failing
                 self._plain = torch.compile(self.fn, dynamic=self.dynamic)
                 return None
@@ -213,6 +217,8 @@ class Precompiled:
                 except Exception as exc:  # noqa: BLE001 - a torch that cannot load its own entry
                     self._give_up(f"its entry {path.name} does not load ({first_line(exc, 200)})")
                     return None
+                with contextlib.suppress(OSError):  # used now: `_prune_stale` goes by this
+                    os.utime(path)
         self._all.extend(loaded)
         self.loaded += len(loaded)
         if loaded:
@@ -291,6 +297,28 @@ class Precompiled:
                 (self._dir / f"{self.name}-{self.key()}.off").write_text(why + "\n")
             except (OSError, TypeError):
                 pass
+
+
+STALE_DAYS = 14
+_pruned: set[tuple[Path, str]] = set()
+
+
+def _prune_stale(folder: Path, name: str, key: str) -> None:
+    """Remove ``name``'s entries and marks under other keys (an older arl, transformers or
+    model; another checkout) that no process has loaded or written for `STALE_DAYS` days; once
+    per folder and name in a process. Entries in use are touched when loaded, so two checkouts
+    sharing a cache keep theirs."""
+    if (folder, name) in _pruned:
+        return
+    _pruned.add((folder, name))
+    cutoff = time.time() - STALE_DAYS * 86400
+    for path in folder.glob(f"{name}-*"):
+        parts = path.name.split("-", 2)
+        if len(parts) < 2 or parts[0] != name or parts[1].split(".")[0] == key:
+            continue
+        with contextlib.suppress(OSError):  # gone already (another process), or not ours
+            if path.suffix in (".bin", ".off") and path.stat().st_mtime < cutoff:
+                path.unlink()
 
 
 def kept_counts(fns: Iterable[Any]) -> tuple[int, int]:

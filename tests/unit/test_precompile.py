@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,31 @@ def test_kept_where_torch_leaves_aot_compile_off_by_default(fns, tmp_path: Path)
         torch.testing.assert_close(later(*_inputs(5)), fn(*_inputs(5)))
     assert (first.compiled, later.loaded, later.compiled) == (1, 1, 0)
     assert _files(tmp_path, ".off") == []
+
+
+def test_entries_of_other_keys_unused_for_weeks_are_removed(fns, tmp_path: Path) -> None:
+    fn = fns.make(1e-5, 2.0)
+    first = Precompiled(fn, name="t.fn", dynamic=True, cache_dir=str(tmp_path))
+    with torch.no_grad():
+        first(*_inputs(4))
+    folder = precompile_dir(str(tmp_path))
+    (kept,) = folder.glob("*.bin")
+    weeks_ago = time.time() - 30 * 86400
+    stale = [folder / "t.fn-00000000000000000000-cpu-g0-1.bin", folder / "t.fn-1111.off"]
+    recent = folder / "t.fn-22222222222222222222-cpu-g0-2.bin"  # another checkout's, in use
+    other = folder / "t.other-33333333333333333333-cpu-g0-3.bin"  # another function's
+    for path in (*stale, recent, other):
+        path.write_bytes(b"x")
+    for path in (*stale, other, kept):
+        os.utime(path, (weeks_ago, weeks_ago))
+
+    later = Precompiled(fn, name="t.fn", dynamic=True, cache_dir=str(tmp_path))
+    with torch.no_grad():
+        torch.testing.assert_close(later(*_inputs(5)), fn(*_inputs(5)))
+    assert later.loaded == 1
+    assert not any(p.exists() for p in stale)
+    assert recent.exists() and other.exists()  # pruned by t.other itself, when it runs
+    assert kept.stat().st_mtime > weeks_ago + 86400  # touched when loaded: in use
 
 
 def test_a_closure_constant_is_in_the_key(fns, tmp_path: Path) -> None:
