@@ -23,17 +23,25 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 MODULE = "transformers.generation.candidate_generator"
 # The module-level import as transformers 5.x (up to 5.2x) wrote it.
 EAGER_IMPORT = "\nif is_sklearn_available():\n    from sklearn.metrics import roc_curve\n"
+_lock = threading.Lock()  # the check is swapped for one import: one thread at a time
 
 
 def defer_sklearn() -> bool:
     """Import ``candidate_generator`` without scikit-learn where it would import it at module
-    level; returns whether it did (see the module docstring)."""
+    level; returns whether it did (see the module docstring). Where that import fails, nothing
+    is changed: transformers' own import raises the same error where it is needed."""
+    with _lock:
+        return _defer()
+
+
+def _defer() -> bool:
     if MODULE in sys.modules or "sklearn" in sys.modules:
         return False
     source = _source()
@@ -51,11 +59,14 @@ def defer_sklearn() -> bool:
     utils.is_sklearn_available = not_now
     try:
         module = importlib.import_module(MODULE)
+    except Exception:  # noqa: BLE001 - not this function's to report (see the docstring)
+        return False
     finally:
         utils.is_sklearn_available = available
         # Whatever imported the check by name meanwhile gets the real one back.
         for name, mod in list(sys.modules.items()):
-            if name.startswith("transformers") and vars(mod).get("is_sklearn_available") is not_now:
+            held = getattr(mod, "__dict__", {}).get("is_sklearn_available")
+            if name.startswith("transformers") and held is not_now:
                 mod.is_sklearn_available = available
     module.roc_curve = _roc_curve
     return True

@@ -131,3 +131,20 @@ def test_the_installed_transformers_still_imports_after_it() -> None:
         """
     )
     assert out in ("True False", "False -")
+
+
+def test_a_module_that_fails_to_import_changes_nothing(tmp_path: Path) -> None:
+    _packages(tmp_path)
+    broken = tmp_path / "transformers/generation/candidate_generator.py"
+    broken.write_text(CANDIDATE_GENERATOR + "\nraise ImportError('a broken install')\n")
+    out = _run(
+        """
+        import sys
+        from arl.transformers_imports import defer_sklearn
+        import transformers.utils as utils
+        check = utils.is_sklearn_available
+        print(defer_sklearn(), utils.is_sklearn_available is check, "sklearn" in sys.modules)
+        """,
+        tmp_path,
+    )
+    assert out == "False True False"
