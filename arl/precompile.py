@@ -312,13 +312,14 @@ def _prune_stale(folder: Path, name: str, key: str) -> None:
         return
     _pruned.add((folder, name))
     cutoff = time.time() - STALE_DAYS * 86400
-    for path in folder.glob(f"{name}-*"):
-        parts = path.name.split("-", 2)
-        if len(parts) < 2 or parts[0] != name or parts[1].split(".")[0] == key:
-            continue
-        with contextlib.suppress(OSError):  # gone already (another process), or not ours
-            if path.suffix in (".bin", ".off") and path.stat().st_mtime < cutoff:
-                path.unlink()
+    for suffix in (".bin", ".off"):
+        # `<name>-<key>...`: a name holds no "-" (`Precompiled` refuses one).
+        for path in folder.glob(f"{name}-*{suffix}"):
+            if path.name[len(name) + 1 :].startswith(key):
+                continue
+            with contextlib.suppress(OSError):  # gone already (another process)
+                if path.stat().st_mtime < cutoff:
+                    path.unlink()
 
 
 def kept_counts(fns: Iterable[Any]) -> tuple[int, int]:

@@ -31,13 +31,18 @@ MODULE = "transformers.generation.candidate_generator"
 # The module-level import as transformers 5.x (up to 5.2x) wrote it.
 EAGER_IMPORT = "\nif is_sklearn_available():\n    from sklearn.metrics import roc_curve\n"
 _lock = threading.Lock()  # the check is swapped for one import: one thread at a time
+_tried = False  # decided once per process (its three callers each ask)
 
 
 def defer_sklearn() -> bool:
     """Import ``candidate_generator`` without scikit-learn where it would import it at module
     level; returns whether it did (see the module docstring). Where that import fails, nothing
     is changed: transformers' own import raises the same error where it is needed."""
+    global _tried
     with _lock:
+        if _tried:
+            return False
+        _tried = True
         return _defer()
 
 
