@@ -2,7 +2,7 @@
 
 ``python -m arl.launch`` places the config once and hands the plan here, through
 `arl.supervisor.supervise`; an embedding program or a test may call `run` directly (without a
-plan it places the config on ``cluster.n_gpus``, or the GPUs torch sees). This module never
+plan it places the config on ``cluster.n_gpus``, or the GPUs visible here). This module never
 imports the CLI.
 """
 

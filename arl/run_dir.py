@@ -39,7 +39,7 @@ import attrs
 
 from arl.ckpt.recovery import read_latest
 from arl.config import Config
-from arl.weights import sync_class
+from arl.weights import mode_rule
 
 LOCK_NAME = ".arl.lock"
 
@@ -241,7 +241,7 @@ def run_outputs(cfg: Config, sync_mode: str) -> list[tuple[Path, str, str]]:
         out.append((root / "recover", "recovery checkpoints", "recover.mode=disabled"))
     if cfg.stats.tensorboard:
         out.append((root / "tensorboard", "TensorBoard events", "stats.tensorboard=false"))
-    for folder in sync_class(sync_mode).run_dirs:
+    for folder in mode_rule(sync_mode).run_dirs:
         what = f"the weights that weight_sync.mode={sync_mode} hands to the engines"
         out.append((root / folder, what, "weight_sync.mode"))
     return out

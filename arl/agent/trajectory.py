@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
-import torch
 
 from arl.agent.client import CompletionRecord
+
+if TYPE_CHECKING:
+    import torch
 
 Style = Literal["individual", "concat"]
 STYLES: tuple[str, ...] = ("individual", "concat")
@@ -156,6 +158,8 @@ def episode_rows(
 
 def pack_rows(rows: Sequence[Row]) -> dict[str, torch.Tensor]:
     """Right-padded tensors of the trajectory layout (`arl.workflows.base`) plus ``turn_ids``."""
+    import torch  # here: the launcher imports the agent workflow to check it (see pack_group)
+
     if not rows:
         raise ValueError("pack_rows needs at least one row")
     n, width = len(rows), max(len(r.input_ids) for r in rows)

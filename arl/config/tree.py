@@ -149,12 +149,14 @@ class ClusterConfig:
         rule=positive(inf=True),
     )
     n_gpus: int | None = _f(
-        None, "GPUs to place nodes on (none: torch.cuda.device_count())", rule=at_least_0("0: CPU")
+        None,
+        "GPUs to place nodes on (none: the GPUs visible on this host, as torch counts them)",
+        rule=at_least_0("0: CPU"),
     )
     gpu_memory_gb: float | None = _f(
         None,
         "memory of one GPU in GB (1e9 bytes) that the memory plan fits the parts into (none: "
-        "the device's total as torch reports it; 80 when no GPU is visible, as when a CPU "
+        "the bytes CUDA can allocate on the device; 80 when no GPU is visible, as when a CPU "
         "machine previews a GPU plan)",
         rule=positive(),
     )

@@ -28,9 +28,9 @@ gradients of at most two 1 GiB chunks, streamed through the optimizer step (and 
 staging buckets, not counted). ``rollout.gpu_sharing=sleep`` frees an engine's KV
 cache (and for a full fine-tune its weights) while the ranks train, so a shared GPU's peak is
 the larger of the rollout and train phases instead of their sum. A GPU fits when its peak is within
-``cluster.gpu_memory_gb`` (none: the device's total as torch reports it, or 80 GB assumed
-where no GPU is visible). A plan that does not fit is refused (`check_memory`) with the first
-change, in order of least change, under which it would.
+``cluster.gpu_memory_gb`` (none: the bytes CUDA can allocate on the device, `arl.control.gpus`,
+or 80 GB assumed where no GPU is visible). A plan that does not fit is refused (`check_memory`)
+with the first change, in order of least change, under which it would.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import attrs
 
 from arl.config import Config, ConfigError, apply_overrides
 from arl.config.tree import get_key
+from arl.control.gpus import gpu_memory
 from arl.engines.spec import engine_sizing
 from arl.train.activations import activation_bytes_per_token
 
@@ -276,17 +277,15 @@ def _table(parts: Sequence[Part]) -> list[str]:
 
 
 def gpu_capacity(cfg: Config, gpu: int) -> tuple[int, str]:
-    """Bytes of one GPU and how they were found: ``cluster.gpu_memory_gb``, else the device's
-    total as torch reports it (device properties only: no CUDA context in the launcher), else
-    80 GB assumed."""
+    """Bytes of one GPU and how they were found: ``cluster.gpu_memory_gb``, else the bytes CUDA
+    can allocate on it (`arl.control.gpus`: NVML, or torch's device properties; no CUDA context
+    in the launcher either way), else 80 GB assumed."""
     if cfg.cluster.gpu_memory_gb is not None:
         return int(cfg.cluster.gpu_memory_gb * GB), "cluster.gpu_memory_gb"
-    import torch
-
-    if torch.cuda.is_available():
-        index = gpu if gpu < torch.cuda.device_count() else 0
-        props = torch.cuda.get_device_properties(index)
-        return int(props.total_memory), f"{props.name}, as torch reports it"
+    found = gpu_memory(gpu)
+    if found is not None:
+        total, name = found
+        return total, f"{name}, as the driver reports it"
     return int(ASSUMED_GPU_GB * GB), "assumed; set cluster.gpu_memory_gb"
 
 

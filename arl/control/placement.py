@@ -14,6 +14,7 @@ import os
 from collections.abc import Sequence
 
 from arl.config import Backend, Config, ConfigError, parse_backend
+from arl.control.gpus import gpu_count
 from arl.control.memory import check_memory
 from arl.protocol.plan import NodeSpec, Plan
 from arl.weights import check_plan as check_weight_sync
@@ -26,17 +27,16 @@ def shares_gpu(spec: NodeSpec, train: Sequence[NodeSpec]) -> bool:
 
 
 def detect_gpus(cfg: Config) -> int:
-    """GPUs to place nodes on: cluster.n_gpus, or what torch sees.
+    """GPUs to place nodes on: cluster.n_gpus, or the GPUs this process sees (`arl.control.gpus`:
+    read through NVML, so the launcher does not import torch).
 
-    The local launcher starts every node on this host, so it refuses more GPUs than torch sees
+    The local launcher starts every node on this host, so it refuses more GPUs than are visible
     here; the other launchers' nodes may run on other hosts, so their count is taken as given.
     """
     n_gpus = cfg.cluster.n_gpus
     if n_gpus is not None and (n_gpus == 0 or cfg.cluster.launcher != "local"):
         return n_gpus
-    import torch  # imported only here: it is slow to import and --help should not wait for it
-
-    found = torch.cuda.device_count()
+    found = gpu_count()
     if n_gpus is None:
         return found
     if n_gpus > found:
@@ -44,10 +44,10 @@ def detect_gpus(cfg: Config) -> int:
         seen = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
         fix = f"cluster.n_gpus={found} or fewer" if found else "cluster.n_gpus=0 to run on CPU"
         raise ConfigError(
-            f"cluster.n_gpus={n_gpus}, but torch sees {found} GPU{'s' * (found != 1)} on this "
-            f"host{seen} and cluster.launcher=local starts every node here; set {fix}, or "
-            "leave cluster.n_gpus unset to use the GPUs torch sees (to preview a plan for "
-            "other machines, add cluster.launcher=slurm to --dry-run)"
+            f"cluster.n_gpus={n_gpus}, but this host has {found} visible GPU"
+            f"{'s' * (found != 1)}{seen} and cluster.launcher=local starts every node here; set "
+            f"{fix}, or leave cluster.n_gpus unset to use the visible GPUs (to preview a plan "
+            "for other machines, add cluster.launcher=slurm to --dry-run)"
         )
     return n_gpus
 

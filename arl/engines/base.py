@@ -64,6 +64,21 @@ class WeightCheck(enum.Enum):
     PROBE = "probe"  # `score()` of a fixed probe sequence stays near the trainer's score of it
 
 
+@attrs.frozen
+class EngineTraits:
+    """What an engine class declares about itself (the `Engine` members of the same names).
+
+    Each built-in engine's are in `arl.engines.spec.TRAITS` and its class reads them from there,
+    so the launcher checks a plan against them without importing the engine (the hf engine
+    imports torch)."""
+
+    weight_targets: frozenset[WeightTarget]
+    pause_in_place: bool
+    can_sleep: bool
+    serves_lora: bool
+    weight_check: WeightCheck
+
+
 class WeightTargetError(TypeError):
     """An engine was handed weights through a target it does not declare."""
 

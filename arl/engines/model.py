@@ -171,7 +171,9 @@ def check_safetensors(file: Path) -> None:
     try:
         from safetensors import safe_open
 
-        with safe_open(str(file), framework="pt") as sf:
+        # numpy, not pt: the header is checked the same way, and the launcher (which runs this
+        # before its nodes start) does not wait for torch's import.
+        with safe_open(str(file), framework="numpy") as sf:
             sf.keys()
     except Exception as e:  # noqa: BLE001 - any refusal by the reader is this file's fault
         raise ModelResolutionError(

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, ClassVar, TypeVar
 import aiohttp
 
 from arl.engines.base import WeightCheck, WeightTarget, refuse_target
+from arl.engines.spec import TRAITS
 from arl.process import OwnedProcess, spawn
 from arl.protocol.errors import ErrorKind
 from arl.wire.addresses import free_port as free_port  # re-exported for the server engines
@@ -277,16 +278,14 @@ class HttpServerEngine:
     # held there and runs after the resume, so the new window's version is right for it too.
 
     name: ClassVar[str] = "server"
-    # A server loads new weights itself, from a folder it can read.
-    weight_targets: ClassVar[frozenset[WeightTarget]] = frozenset({WeightTarget.DIRECTORY})
+    # Declared in `arl.engines.spec.TRAITS` (the same for both servers), which the launcher reads
+    # without importing the engines.
+    weight_targets: ClassVar[frozenset[WeightTarget]] = TRAITS["vllm"].weight_targets
     weights_device: ClassVar[None] = None  # it takes no tensors from this process
-    pause_in_place: ClassVar[bool] = False
-    # Both servers sleep (vLLM on CUDA only: `check_engine_support`) and serve LoRA adapters,
-    # each when its command line enabled it (`EngineSpec.sleep_mode`, `EngineSpec.lora_rank`).
-    can_sleep: ClassVar[bool] = True
-    serves_lora: ClassVar[bool] = True
-    # A server exposes no weights to checksum: it scores the probe (`weights_checksum` is None).
-    weight_check: ClassVar[WeightCheck] = WeightCheck.PROBE
+    pause_in_place: ClassVar[bool] = TRAITS["vllm"].pause_in_place
+    can_sleep: ClassVar[bool] = TRAITS["vllm"].can_sleep
+    serves_lora: ClassVar[bool] = TRAITS["vllm"].serves_lora
+    weight_check: ClassVar[WeightCheck] = TRAITS["vllm"].weight_check
     version: int
 
     def __init__(

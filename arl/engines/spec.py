@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from arl.config import Config, ConfigError
+from arl.engines.base import EngineTraits, WeightCheck, WeightTarget
 from arl.protocol.wire import WireStruct
 
 if TYPE_CHECKING:
@@ -36,6 +37,28 @@ ENGINES: dict[str, str] = {
     "sglang": "arl.engines.sglang:SGLangEngine",
 }
 SERVER_ENGINES = ("vllm", "sglang")
+# What each engine declares (`EngineTraits`; its class reads its entry): the launcher checks a
+# plan against these before any node starts, without importing the engine.
+_SERVER = EngineTraits(
+    weight_targets=frozenset({WeightTarget.DIRECTORY}),  # a server loads weights from a folder
+    pause_in_place=False,
+    # Both servers sleep (vLLM on CUDA only: `check_engine_support`) and serve LoRA adapters,
+    # each when its command line enabled it (`EngineSpec.sleep_mode`, `EngineSpec.lora_rank`).
+    can_sleep=True,
+    serves_lora=True,
+    weight_check=WeightCheck.PROBE,  # no weights to checksum: it scores the probe
+)
+TRAITS: dict[str, EngineTraits] = {
+    "hf": EngineTraits(
+        weight_targets=frozenset({WeightTarget.TENSORS, WeightTarget.DIRECTORY}),
+        pause_in_place=True,
+        can_sleep=True,
+        serves_lora=True,
+        weight_check=WeightCheck.CHECKSUM,
+    ),
+    "vllm": _SERVER,
+    "sglang": _SERVER,
+}
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 PORT_PLACEHOLDER = "<port>"  # the server's port is picked free on its node when it starts
 
@@ -160,13 +183,13 @@ def check_engine_support(spec: EngineSpec) -> None:
     """Refuse, before any node starts, a spec asking its engine for what it cannot do: a LoRA
     adapter where the engine serves none, sleep where it cannot sleep (vLLM's sleep mode
     needs CUDA)."""
-    cls = engine_class(spec.name)
-    if spec.lora_rank > 0 and not cls.serves_lora:
+    traits = TRAITS[spec.name]
+    if spec.lora_rank > 0 and not traits.serves_lora:
         raise ConfigError(
             f"actor.lora.rank={spec.lora_rank}: the {spec.name} engine serves no LoRA adapter; "
             "set actor.lora.rank=0 or pick an engine that does (hf, vllm, sglang)"
         )
-    if spec.sleep_mode and not cls.can_sleep:
+    if spec.sleep_mode and not traits.can_sleep:
         raise ConfigError(
             f"rollout.gpu_sharing=sleep: the {spec.name} engine cannot sleep; use "
             "rollout.gpu_sharing=alternate"

@@ -1,33 +1,53 @@
-"""The tensor dtypes that may cross a process boundary, by their wire name."""
+"""The tensor dtypes that may cross a process boundary, by their wire name (each is also the
+name of the torch dtype). torch is imported at the first lookup, not with this module: the
+launcher imports the wire before its nodes start and never needs a dtype."""
 
 from __future__ import annotations
 
-import torch
+import functools
+from typing import TYPE_CHECKING
 
-DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "uint16": torch.uint16,
-    "uint32": torch.uint32,
-    "uint64": torch.uint64,
-    "bool": torch.bool,
-    "complex64": torch.complex64,
-    "complex128": torch.complex128,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-}
+if TYPE_CHECKING:
+    import torch
+
+WIRE_DTYPES = (
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "bool",
+    "complex64",
+    "complex128",
+    "float8_e4m3fn",
+    "float8_e5m2",
+)
+
+
+@functools.cache
+def torch_dtypes() -> dict[str, torch.dtype]:
+    """Wire name -> torch dtype, for every dtype of `WIRE_DTYPES`."""
+    import torch
+
+    return {name: getattr(torch, name) for name in WIRE_DTYPES}
+
+
+@functools.cache
+def wire_names() -> dict[torch.dtype, str]:
+    """torch dtype -> wire name (the inverse of `torch_dtypes`)."""
+    return {dtype: name for name, dtype in torch_dtypes().items()}
 
 
 def dtype_of(name: str) -> torch.dtype:
     """The torch dtype of a wire dtype name; a ValueError naming it for an unknown one."""
     try:
-        return DTYPES[name]
+        return torch_dtypes()[name]
     except (KeyError, TypeError):
         raise ValueError(f"unknown dtype {name!r} on the wire") from None

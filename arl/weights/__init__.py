@@ -1,4 +1,5 @@
-"""Weight sync plug-ins (DESIGN §6): one module per mode, both of its halves in it.
+"""Weight sync plug-ins (DESIGN §6): one module per mode, both of its halves in it (its plan rule
+in `arl.weights.rules`).
 
 - ``ipc_buffer``: one persistent buffer shared once by CUDA IPC (a shared-memory file on CPU);
   per sync two device copies. ``auto`` picks it when every engine is on train rank 0's GPU.
@@ -9,9 +10,11 @@
 - ``disk``: a safetensors folder per version, reloaded; ``auto`` for server engines.
 
 `check_plan(mode, nodes)` is the one rule that decides the mode: it resolves ``auto`` and refuses
-a forced mode the nodes cannot run (a `ConfigError` naming what to change). The planner
-(`arl.control.placement`) calls it once and keeps the result on the `arl.protocol.plan.Plan`
-before any node starts; `make_weight_sync` builds the plan's mode.
+a forced mode the nodes cannot run (a `ConfigError` naming what to change), by the modes' rules
+(`arl.weights.rules`, which their controller halves inherit; read without importing the modes'
+modules, which import torch). The planner (`arl.control.placement`) calls it once and keeps the
+result on the `arl.protocol.plan.Plan` before any node starts; `make_weight_sync` builds the
+plan's mode.
 """
 
 from __future__ import annotations
@@ -23,18 +26,21 @@ from typing import TYPE_CHECKING
 
 from arl.config import ConfigError
 from arl.weights.base import NodePart, SyncContext, WeightSync, WeightSyncError
+from arl.weights.rules import DiskRule, IpcBufferRule, IpcRule, ModeRule, NcclRule, ZmqRule
 
 if TYPE_CHECKING:
     from arl.protocol.plan import NodeSpec, Plan
 
 __all__ = [
     "MODES",
+    "ModeRule",
     "NodePart",
     "SyncContext",
     "WeightSync",
     "WeightSyncError",
     "check_plan",
     "make_weight_sync",
+    "mode_rule",
     "sync_class",
 ]
 
@@ -48,10 +54,16 @@ MODES: dict[str, str] = {
 }
 
 
-def sync_class(mode: str) -> type[WeightSync]:
-    """The controller half registered as ``mode``."""
+# Mode name -> its plan rule (the controller half above inherits it).
+RULES: dict[str, type[ModeRule]] = {
+    rule.mode: rule for rule in (IpcBufferRule, IpcRule, NcclRule, ZmqRule, DiskRule)
+}
+
+
+def mode_rule(mode: str) -> type[ModeRule]:
+    """The plan rule of ``mode`` (a `ConfigError` naming the modes for an unknown one)."""
     try:
-        target = MODES[mode]
+        return RULES[mode]
     except KeyError:
         close = difflib.get_close_matches(mode, MODES, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -59,7 +71,12 @@ def sync_class(mode: str) -> type[WeightSync]:
             f"weight_sync.mode={mode!r} is not a weight-sync mode{hint}; known: auto, "
             f"{', '.join(MODES)}"
         ) from None
-    module, _, name = target.partition(":")
+
+
+def sync_class(mode: str) -> type[WeightSync]:
+    """The controller half registered as ``mode`` (imports its module)."""
+    mode_rule(mode)  # refuses an unknown mode
+    module, _, name = MODES[mode].partition(":")
     return getattr(importlib.import_module(module), name)
 
 
@@ -67,11 +84,11 @@ def check_plan(mode: str, nodes: Sequence[NodeSpec]) -> str:
     """The mode to run on ``nodes``: ``auto`` resolved by the modes' `suits` in `auto_rank`
     order; a named mode checked by its `check_plan` (raises `ConfigError`)."""
     if mode != "auto":
-        sync_class(mode).check_plan(nodes)
+        mode_rule(mode).check_plan(nodes)
         return mode
-    for cls in sorted((sync_class(m) for m in MODES), key=lambda c: c.auto_rank):
-        if cls.suits(nodes):
-            return cls.mode
+    for rule in sorted((mode_rule(m) for m in MODES), key=lambda r: r.auto_rank):
+        if rule.suits(nodes):
+            return rule.mode
     raise ConfigError("no weight-sync mode suits this placement plan; set weight_sync.mode")
 
 

@@ -2,10 +2,11 @@
 
 A mode is one module of `arl.weights` holding both of its halves:
 
-- a `WeightSync` subclass on the controller: `check_plan` (can this mode run on the placement
-  plan? raises `ConfigError` naming what to change, before any node starts), `setup` (once),
-  `stage` (per sync, while rollout still generates), `transfer` (per sync, rollout paused) and
-  `cleanup` (per sync, after resume);
+- a `WeightSync` subclass on the controller: `setup` (once), `stage` (per sync, while rollout
+  still generates), `transfer` (per sync, rollout paused) and `cleanup` (per sync, after
+  resume); it inherits its plan side from the mode's rule in `arl.weights.rules` (can this mode
+  run on the placement plan? `check_plan` raises `ConfigError` naming what to change), which
+  the launcher reads without importing the mode's module (they import torch);
 - `NodePart` subclasses, created by `WeightSync.place` on the nodes beside their worker (the
   ``train`` or ``rollout`` object, which the node hands in as ``host``) under the name
   ``weights``, that move the bytes.
@@ -21,7 +22,7 @@ What the node halves use of their worker is declared in `arl.protocol.weight_hoo
 worker is a `WeightSource` (its rank, device, full state, specs, sources and tied weights), a
 rollout worker a `WeightSink` (``update_weights``, ``weights_device``,
 ``update_weights_from_disk``). What each engine accepts is declared in its
-``weight_targets`` (`arl.engines.base.WeightTarget`); `require_weight_target` checks a plan.
+``weight_targets`` (`arl.engines.base.WeightTarget`); `arl.weights.rules` checks a plan by it.
 
 On the controller a mode works with a `SyncContext`, whose cluster, workers and rollout control
 are typed by what it uses of them (`arl.protocol.handles`): arl.weights never imports
@@ -35,20 +36,19 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 
-from arl.config import ConfigError, WeightSyncConfig
-from arl.engines.base import WeightTarget
+from arl.config import WeightSyncConfig
 from arl.protocol.proxy import proxy
 from arl.protocol.remote import RolloutWorkerAPI, TrainWorkerAPI
 from arl.protocol.weight_hooks import WeightSink, WeightSource
+from arl.weights.rules import ModeRule
 from arl.wire.addresses import is_loopback
 
 if TYPE_CHECKING:
     from arl.protocol.handles import ClusterView, PlacedNodeView, RemotePart, RolloutPause
-    from arl.protocol.plan import NodeSpec
 
 
 log = logging.getLogger("arl.weights")
@@ -73,33 +73,15 @@ class SyncContext:
     free: Callable[[list], Awaitable[None]]  # frees shard refs on every node
 
 
-class WeightSync:
-    """Controller half of a mode; `sync` runs the pause -> transfer -> version -> resume dance."""
-
-    mode: ClassVar[str] = ""
-    # `auto` picks the first registered mode whose `suits` holds, in this order (lower first).
-    auto_rank: ClassVar[int] = 100
-    # Folders under the run directory this mode writes (checked writable before any node starts).
-    run_dirs: ClassVar[tuple[str, ...]] = ()
+class WeightSync(ModeRule):
+    """Controller half of a mode; `sync` runs the pause -> transfer -> version -> resume dance.
+    Its plan side (`mode`, `auto_rank`, `run_dirs`, `check_plan`, `suits`) is the mode's rule in
+    `arl.weights.rules`, which it inherits."""
 
     def __init__(self, ctx: SyncContext) -> None:
         self.ctx = ctx
         self.ready = False
         self._placed: list[list[RemotePart]] = []  # one list per `place` call
-
-    # ---- the plan ---------------------------------------------------------------------------
-    @classmethod
-    def check_plan(cls, plan: Sequence[NodeSpec]) -> None:
-        """Raise `ConfigError` if this mode cannot run on ``plan``; the default accepts all."""
-
-    @classmethod
-    def suits(cls, plan: Sequence[NodeSpec]) -> bool:
-        """Whether ``weight_sync.mode=auto`` may pick this mode for ``plan``."""
-        try:
-            cls.check_plan(plan)
-        except ConfigError:
-            return False
-        return True
 
     # ---- one sync ---------------------------------------------------------------------------
     async def sync(self, version: int) -> dict:
@@ -215,55 +197,3 @@ def rendezvous_host(cluster: ClusterView) -> str:
     if is_loopback(cluster.controller.address):
         return "127.0.0.1"
     return cluster.train[0].handle.info["host"]
-
-
-# ---- plan facts the modes check -------------------------------------------------------------
-def train_rank0(plan: Sequence[NodeSpec]) -> NodeSpec:
-    """Train rank 0's node spec."""
-    return next(n for n in plan if n.role == "train" and n.rank == 0)
-
-
-def engines_without(target: WeightTarget, plan: Sequence[NodeSpec]) -> list[str]:
-    """Rollout engines of the plan whose declared `weight_targets` lack ``target``."""
-    from arl.engines.spec import engine_class
-
-    names = {n.engine for n in plan if n.role == "rollout"}
-    return sorted(n for n in names if target not in engine_class(n).weight_targets)
-
-
-def require_weight_target(mode: str, plan: Sequence[NodeSpec], target: WeightTarget) -> None:
-    """Refuse ``mode`` unless every rollout engine of the plan declares ``target``."""
-    from arl.engines.spec import engine_class
-
-    engines = engines_without(target, plan)
-    if engines:
-        accepts = "; ".join(
-            f"{e} accepts only {', '.join(sorted(t.value for t in engine_class(e).weight_targets))}"
-            for e in engines
-        )
-        modes = "disk (or auto)" if target is WeightTarget.TENSORS else "auto"
-        raise ConfigError(
-            f"weight_sync.mode={mode} needs engines that accept weights as {target.value} "
-            f"({accepts}: its weight_targets); use weight_sync.mode={modes} with these engines"
-        )
-
-
-def require_inprocess_engines(mode: str, plan: Sequence[NodeSpec]) -> None:
-    """Modes that copy tensors into the engine: every engine accepts `WeightTarget.TENSORS`."""
-    require_weight_target(mode, plan, WeightTarget.TENSORS)
-
-
-def engines_on_rank0_gpu(mode: str, plan: Sequence[NodeSpec]) -> None:
-    """CUDA IPC modes: every engine on train rank 0's GPU."""
-    rank0 = train_rank0(plan)
-    if not rank0.gpu_ids:
-        raise ConfigError(
-            f"weight_sync.mode={mode} needs GPUs (CUDA IPC) and none are available; "
-            "use weight_sync.mode=auto, zmq, disk or nccl (gloo) on CPU"
-        )
-    require_inprocess_engines(mode, plan)
-    if any(n.gpu_ids != rank0.gpu_ids for n in plan if n.role == "rollout"):
-        raise ConfigError(
-            f"weight_sync.mode={mode} needs every engine on train rank 0's GPU "
-            f"{list(rank0.gpu_ids)}; use weight_sync.mode=nccl for engines on other GPUs"
-        )

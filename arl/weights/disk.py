@@ -12,29 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-from arl.engines.base import WeightTarget
 from arl.protocol.proxy import proxy
 from arl.protocol.remote import TrainWorkerAPI
-from arl.weights.base import ReceiverPart, WeightSync, require_weight_target
-
-if TYPE_CHECKING:
-    from arl.protocol.plan import NodeSpec
+from arl.weights.base import ReceiverPart, WeightSync
+from arl.weights.rules import DiskRule
 
 
-class DiskSync(WeightSync):
+class DiskSync(DiskRule, WeightSync):
     """Controller half: save on the train ranks, reload in every engine, remove the folder."""
-
-    mode = "disk"
-    auto_rank = 40
-    run_dirs = ("weights",)
-
-    @classmethod
-    def check_plan(cls, plan: Sequence[NodeSpec]) -> None:
-        """Every engine loads a directory."""
-        require_weight_target(cls.mode, plan, WeightTarget.DIRECTORY)
 
     async def setup(self) -> None:
         """Agree on the dtype; place the receivers."""

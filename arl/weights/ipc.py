@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -20,7 +20,6 @@ from arl.weights.base import (
     SenderPart,
     WeightSync,
     engine_device,
-    engines_on_rank0_gpu,
 )
 from arl.weights.buckets import (
     BucketLayout,
@@ -33,25 +32,11 @@ from arl.weights.buckets import (
     share_cuda_buffer,
     unflatten_bucket,
 )
-
-if TYPE_CHECKING:
-    from arl.protocol.plan import NodeSpec
+from arl.weights.rules import IpcRule
 
 
-class IpcSync(WeightSync):
+class IpcSync(IpcRule, WeightSync):
     """Controller half: one handle per bucket from rank 0 to every engine, in order."""
-
-    mode = "ipc"
-
-    @classmethod
-    def check_plan(cls, plan: Sequence[NodeSpec]) -> None:
-        """hf engines, all on train rank 0's GPU."""
-        engines_on_rank0_gpu(cls.mode, plan)
-
-    @classmethod
-    def suits(cls, plan: Sequence[NodeSpec]) -> bool:
-        """Never auto's choice: where it runs, ``ipc_buffer`` runs faster."""
-        return False
 
     async def setup(self) -> None:
         """Agree on the dtype, place the halves, plan the buckets."""

@@ -23,21 +23,16 @@ import os
 import secrets
 import sys
 import weakref
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from arl.config import ConfigError
 from arl.protocol.weight_hooks import WeightSink, WeightSource
 from arl.weights.base import (
     ReceiverPart,
     SenderPart,
     WeightSync,
     engine_device,
-    engines_on_rank0_gpu,
-    require_inprocess_engines,
-    train_rank0,
 )
 from arl.weights.buckets import (
     BucketLayout,
@@ -47,33 +42,11 @@ from arl.weights.buckets import (
     share_cuda_buffer,
     unflatten_bucket,
 )
-
-if TYPE_CHECKING:
-    from arl.protocol.plan import NodeSpec
+from arl.weights.rules import IpcBufferRule
 
 
-class IpcBufferSync(WeightSync):
+class IpcBufferSync(IpcBufferRule, WeightSync):
     """Controller half: share the buffer once; per sync one stage call and one load call."""
-
-    mode = "ipc_buffer"
-    auto_rank = 10
-
-    @classmethod
-    def check_plan(cls, plan: Sequence[NodeSpec]) -> None:
-        """hf engines, all on train rank 0's GPU (or, without GPUs, on its host)."""
-        if train_rank0(plan).gpu_ids:
-            engines_on_rank0_gpu(cls.mode, plan)
-        else:
-            require_inprocess_engines(cls.mode, plan)
-
-    @classmethod
-    def suits(cls, plan: Sequence[NodeSpec]) -> bool:
-        """Auto picks it on a shared GPU; on CPU auto keeps zmq."""
-        try:
-            engines_on_rank0_gpu(cls.mode, plan)
-        except ConfigError:
-            return False
-        return True
 
     async def setup(self) -> None:
         """Agree on the dtype, allocate and share the buffer, let every engine map it."""

@@ -10,12 +10,9 @@ and packs bucket i + 1, and each engine copies bucket i in, while bucket i + 1 i
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
-from arl.config import ConfigError
 from arl.protocol.weight_hooks import WeightSink, WeightSource
 from arl.weights.base import (
     ReceiverPart,
@@ -23,8 +20,6 @@ from arl.weights.base import (
     WeightSync,
     engine_device,
     rendezvous_host,
-    require_inprocess_engines,
-    train_rank0,
 )
 from arl.weights.buckets import (
     BroadcastGroup,
@@ -33,35 +28,11 @@ from arl.weights.buckets import (
     plan_buckets,
     receive_buckets,
 )
-
-if TYPE_CHECKING:
-    from arl.protocol.plan import NodeSpec
+from arl.weights.rules import NcclRule
 
 
-class NcclSync(WeightSync):
+class NcclSync(NcclRule, WeightSync):
     """Controller half: open the group once, then one streamed broadcast per sync."""
-
-    mode = "nccl"
-    auto_rank = 20
-
-    @classmethod
-    def check_plan(cls, plan: Sequence[NodeSpec]) -> None:
-        """hf engines, each on a GPU of its own apart from train rank 0's (one GPU per rank)."""
-        require_inprocess_engines(cls.mode, plan)
-        rank0 = train_rank0(plan)
-        shared = set(rank0.gpu_ids) & {g for n in plan if n.role == "rollout" for g in n.gpu_ids}
-        if shared:
-            raise ConfigError(
-                f"weight_sync.mode=nccl cannot put train rank 0 and an engine on the same GPU "
-                f"(GPU {sorted(shared)}: NCCL needs one GPU per rank); use "
-                "weight_sync.mode=ipc_buffer (or auto) when they share a GPU, or give the run "
-                "more GPUs"
-            )
-
-    @classmethod
-    def suits(cls, plan: Sequence[NodeSpec]) -> bool:
-        """Auto picks it across GPUs only; on CPU (gloo) zmq is the faster choice."""
-        return bool(train_rank0(plan).gpu_ids) and super().suits(plan)
 
     async def setup(self) -> None:
         """Agree on the dtype, plan the buckets and open the group (every member at once)."""

@@ -8,30 +8,18 @@ zero-copy frames otherwise) and copies them into its engine; the buckets are fre
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from arl.protocol.hosting import NodeContext, UsesNode
 from arl.protocol.rtensor import RTensor, ShardRef
 from arl.protocol.weight_hooks import WeightSource
-from arl.weights.base import ReceiverPart, SenderPart, WeightSync, require_inprocess_engines
-
-if TYPE_CHECKING:
-    from arl.protocol.plan import NodeSpec
+from arl.weights.base import ReceiverPart, SenderPart, WeightSync
+from arl.weights.rules import ZmqRule
 
 
-class ZmqSync(WeightSync):
+class ZmqSync(ZmqRule, WeightSync):
     """Controller half: publish on rank 0, pull into every engine, free the buckets."""
-
-    mode = "zmq"
-    auto_rank = 30
-
-    @classmethod
-    def check_plan(cls, plan: Sequence[NodeSpec]) -> None:
-        """The buckets are copied into in-process (hf) engines."""
-        require_inprocess_engines(cls.mode, plan)
 
     async def setup(self) -> None:
         """Agree on the dtype; place the senders (every train rank) and receivers."""

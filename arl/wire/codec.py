@@ -6,20 +6,26 @@ ExtType that names its dtype, shape and frame index; each frame is the tensor's 
 copy for contiguous CPU tensors). Tensors smaller than ``inline_threshold`` bytes travel inside
 the header. ``unpack`` rebuilds tensors with ``torch.frombuffer`` over the received frames (no
 copy). Nothing is ever pickled.
+
+torch is imported at the first tensor received, not with this module (the launcher imports the
+wire before its nodes start): until torch is imported, no payload can hold a tensor.
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import msgpack
-import torch
 
-from arl.protocol.dtypes import DTYPES as _DTYPES
+from arl.protocol.dtypes import torch_dtypes, wire_names
 from arl.protocol.errors import ErrorKind
+
+if TYPE_CHECKING:
+    import torch
 
 PROTOCOL_VERSION = 1
 OPS = frozenset({"call", "ok", "err", "event", "hello", "hb", "bye"})
@@ -27,7 +33,6 @@ OPS = frozenset({"call", "ok", "err", "event", "hello", "hb", "bye"})
 _EXT_FRAME = 1  # tensor whose bytes are a separate frame
 _EXT_INLINE = 2  # small tensor whose bytes sit in the header
 
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 # A declared shape above this many elements is refused before anything is allocated.
 MAX_ELEMENTS = 1 << 40
 
@@ -45,7 +50,7 @@ class WireError(ValueError):
 def dtype_name(dtype: torch.dtype) -> str:
     """The wire name of a torch dtype; raises WireError for dtypes the wire does not carry."""
     try:
-        return _DTYPE_NAMES[dtype]
+        return wire_names()[dtype]
     except KeyError:
         raise WireError(f"dtype {dtype} cannot travel on the wire; cast it first") from None
 
@@ -53,7 +58,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def parse_dtype(name: str) -> torch.dtype:
     """The torch dtype for a wire dtype name."""
     try:
-        return _DTYPES[name]
+        return torch_dtypes()[name]
     except (KeyError, TypeError):
         raise WireError(f"unknown dtype {name!r} on the wire") from None
 
@@ -67,7 +72,7 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
     # uint8 view shares storage, so the memoryview keeps the bytes alive with no copy.
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.reshape(-1).view(sys.modules["torch"].uint8).numpy())
 
 
 def pack(obj: Any, inline_threshold: int = 256) -> list[Any]:
@@ -75,7 +80,8 @@ def pack(obj: Any, inline_threshold: int = 256) -> list[Any]:
     frames: list[Any] = [b""]
 
     def default(o: Any) -> Any:
-        if isinstance(o, torch.Tensor):
+        torch_module = sys.modules.get("torch")  # without torch imported, o is no tensor
+        if torch_module is not None and isinstance(o, torch_module.Tensor):
             buf = _tensor_bytes(o.detach())
             meta = [dtype_name(o.dtype), list(o.shape)]
             if buf.nbytes <= inline_threshold:
@@ -99,6 +105,8 @@ def _as_buffer(frame: Any) -> memoryview:
 
 
 def _make_tensor(dtype: torch.dtype, shape: list[int], buf: memoryview) -> torch.Tensor:
+    import torch
+
     n = 1
     for s in shape:
         n *= s
@@ -121,7 +129,7 @@ def _check_meta(dtype_s: Any, shape: Any) -> tuple[torch.dtype, list[int], int]:
         # shape, so it must be refused here as a WireError rather than fail there.
         if n > MAX_ELEMENTS or s > MAX_ELEMENTS:
             raise WireError(f"declared tensor shape {shape} is too large")
-    return dtype, shape, n * torch.empty((), dtype=dtype).element_size()
+    return dtype, shape, n * dtype.itemsize
 
 
 def unpack(frames: Sequence[Any]) -> Any:

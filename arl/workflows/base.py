@@ -22,13 +22,14 @@ not episodes, as with multi-turn agents).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, runtime_checkable
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from arl.engines.base import Engine, SamplingParams
 from arl.protocol.report import TRAJECTORY_KEYS as TRAJECTORY_KEYS  # the layout's keys
 from arl.protocol.report import Trajectory
+
+if TYPE_CHECKING:
+    import torch
 
 
 class EpisodeRejected(Exception):
@@ -89,6 +90,8 @@ def pack_group(
     rewards: list[float],
 ) -> dict[str, torch.Tensor]:
     """Build the padded group tensors of the layout above from per-sample lists."""
+    import torch  # here: the launcher imports workflows to check them, and must not wait for it
+
     n = len(prompts)
     if not n or not len(outputs) == len(logprobs) == len(versions) == len(rewards) == n:
         raise ValueError(

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from arl.protocol.dtypes import torch_dtypes
 from arl.wire import codec
 from arl.wire.codec import (
     PROTOCOL_VERSION,
@@ -19,7 +20,7 @@ from arl.wire.codec import (
     unpack,
 )
 
-ALL_DTYPES = list(codec._DTYPES.values())
+ALL_DTYPES = list(torch_dtypes().values())
 SHAPES = [(), (0,), (1,), (7,), (3, 0, 2), (4, 33), (2, 3, 4, 5), (300,)]
 
 

@@ -187,7 +187,7 @@ def test_more_gpus_than_this_host_has_are_refused_for_the_local_launcher():
     n = torch.cuda.device_count() + 1
     r = launch("recipes/arith.py", "--dry-run", f"cluster.n_gpus={n}")
     assert r.returncode == 2 and r.stdout == "", r.stderr
-    assert r.stderr.startswith(f"error: cluster.n_gpus={n}, but torch sees {n - 1} GPU")
+    assert r.stderr.startswith(f"error: cluster.n_gpus={n}, but this host has {n - 1} visible GPU")
     assert "cluster.launcher=local starts every node here; set cluster.n_gpus=" in r.stderr
     assert "Traceback" not in r.stderr
     # Nodes started by srun (or attached, or Ray's) may run on hosts that have the GPUs.
@@ -295,3 +295,57 @@ def test_a_server_backend_whose_python_lacks_it_is_refused_before_any_node_start
         assert "but that python cannot import vllm; install vllm" in r.stderr
     assert "joined" not in r.stderr and "Traceback" not in r.stderr  # no node was started
     assert not runs.exists()  # nothing written
+
+
+_FIRST_SPAWN = """
+import os, sys
+import arl.process
+
+def spawn(*args, **kwargs):  # the first node: report what the launcher imported, and stop
+    print("torch imported:", "torch" in sys.modules, flush=True)
+    os._exit(0)
+
+arl.process.spawn = spawn
+sys.argv = ["arl.launch", *sys.argv[1:]]
+import runpy
+try:
+    runpy.run_module("arl.launch", run_name="__main__")
+finally:
+    print("torch imported at exit:", "torch" in sys.modules, flush=True)
+"""
+
+
+def test_the_launcher_starts_its_nodes_before_importing_torch(tmp_path):
+    """Every check before the nodes start (config, workflow, placement, weight-sync mode, memory
+    plan, model, data, run directory) runs without torch, which would delay each node by its
+    import; so does a dry run."""
+    from tests.support.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "tiny")  # a local folder: its safetensors are read here
+    for args in (
+        ["recipes/arith.py"],
+        ["recipes/arith.py", f"actor.path={model}"],
+        ["recipes/gsm8k.py", f"data.path={tmp_path / 'data'}"],
+    ):
+        if "recipes/gsm8k.py" in args:
+            (tmp_path / "data").mkdir(exist_ok=True)
+            row = '{"question": "1+1?", "answer": "#### 2"}\n'
+            for split in ("train", "test"):
+                (tmp_path / "data" / f"{split}.jsonl").write_text(row * 4)
+        r = subprocess.run(
+            [sys.executable, "-c", _FIRST_SPAWN, *args, f"experiment.run_dir={tmp_path}/runs"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0 and "torch imported: False" in r.stdout, (args, r.stderr)
+        dry = subprocess.run(
+            [sys.executable, "-c", _FIRST_SPAWN, *args, "--dry-run"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert dry.returncode == 0 and "# memory plan" in dry.stdout, dry.stderr
+        assert "torch imported at exit: False" in dry.stdout  # a dry run answers at once

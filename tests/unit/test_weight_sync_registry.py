@@ -105,3 +105,25 @@ def test_the_trainer_and_the_placement_name_no_mode():
     ):
         named = _string_constants(root / rel) & set(MODES)
         assert not named, f"{rel} names weight-sync modes {named}: use the arl.weights registry"
+
+
+def test_each_mode_has_one_plan_rule_its_controller_half_inherits():
+    """The launcher decides the mode from `arl.weights.rules` without importing the modes."""
+    from arl.weights import RULES
+
+    assert set(RULES) == set(MODES)
+    for mode, rule in RULES.items():
+        cls = sync_class(mode)
+        assert issubclass(cls, rule) and cls.mode == rule.mode == mode
+        assert cls.check_plan.__func__ is rule.check_plan.__func__
+
+
+def test_each_engine_declares_its_traits_where_the_launcher_reads_them():
+    from arl.engines.spec import ENGINES, TRAITS, engine_class
+
+    assert set(TRAITS) == set(ENGINES)
+    for name, traits in TRAITS.items():
+        cls = engine_class(name)
+        for field in ("weight_targets", "pause_in_place", "can_sleep", "serves_lora"):
+            assert getattr(cls, field) == getattr(traits, field), (name, field)
+        assert cls.weight_check is traits.weight_check

@@ -56,6 +56,7 @@ from arl.engines.hf.sampling import sample_rows
 from arl.engines.hf.steps import Launched, StepOutputs, upload
 from arl.engines.hf.weights import checksum_named_tensors, is_adapter_folder, iter_weights_folder
 from arl.engines.lora import add_lora, is_lora_name, lora_enabled, lora_tensors
+from arl.engines.spec import TRAITS
 from arl.precompile import kept_counts, kept_note
 from arl.transformers_imports import defer_sklearn
 
@@ -99,13 +100,12 @@ class HFEngine:
     """
 
     name: ClassVar[str] = "hf"
-    weight_targets: ClassVar[frozenset[WeightTarget]] = frozenset(
-        {WeightTarget.TENSORS, WeightTarget.DIRECTORY}
-    )
-    pause_in_place: ClassVar[bool] = True
-    can_sleep: ClassVar[bool] = True
-    serves_lora: ClassVar[bool] = True
-    weight_check: ClassVar[WeightCheck] = WeightCheck.CHECKSUM
+    # Declared in `arl.engines.spec.TRAITS`, which the launcher reads without importing this.
+    weight_targets: ClassVar[frozenset[WeightTarget]] = TRAITS["hf"].weight_targets
+    pause_in_place: ClassVar[bool] = TRAITS["hf"].pause_in_place
+    can_sleep: ClassVar[bool] = TRAITS["hf"].can_sleep
+    serves_lora: ClassVar[bool] = TRAITS["hf"].serves_lora
+    weight_check: ClassVar[WeightCheck] = TRAITS["hf"].weight_check
     version: int
 
     def __init__(
