@@ -1,4 +1,5 @@
-"""The memory plan on a CUDA machine: a GPU's capacity is its total as torch reports it."""
+"""The memory plan on a CUDA machine: a GPU's capacity is the bytes CUDA can allocate on it, as
+torch reports them (read through NVML, `arl.control.gpus`, where it can tell)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def test_capacity_is_the_devices_total_unless_set():
     cfg = Config()
     capacity, note = gpu_capacity(cfg, 0)
     props = torch.cuda.get_device_properties(0)
-    assert capacity == props.total_memory and note == f"{props.name}, as torch reports it"
+    assert capacity == props.total_memory and note == f"{props.name}, as the driver reports it"
     cfg = apply_overrides(cfg, ["cluster.gpu_memory_gb=40"])
     assert gpu_capacity(cfg, 0) == (40 * 10**9, "cluster.gpu_memory_gb")
 
@@ -29,4 +30,4 @@ def test_the_default_model_fits_one_gpu_beside_its_engine():
     mem = plan_memory(cfg, plan_placement(cfg, 1))
     if not mem.gpus:
         pytest.skip(mem.source)  # the default model is not on this machine
-    assert mem.fits and "as torch reports it): fits" in mem.format()
+    assert mem.fits and "as the driver reports it): fits" in mem.format()

@@ -185,7 +185,7 @@ def test_without_a_visible_gpu_the_capacity_is_assumed_and_said(tmp_path):
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("a GPU is visible: torch reports its memory")
+        pytest.skip("a GPU is visible: its memory is read")
     cfg = apply_overrides(Config(), [f"actor.path={_model(tmp_path, '1.5b')}"])
     mem = plan_memory(cfg, plan_placement(cfg, 1))
     assert mem.gpus[0].capacity == 80 * GB
