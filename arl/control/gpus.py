@@ -18,6 +18,7 @@ which is what ``torch.cuda.get_device_properties(i).total_memory`` reports.
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import os
 from collections.abc import Sequence
@@ -168,10 +169,16 @@ def _has_gpu_device_file() -> bool:
     return any(glob.glob(pattern) for pattern in _GPU_DEVICE_FILES)
 
 
+@functools.cache
+def _host_gpus() -> list[Gpu] | None:
+    """`nvml_gpus`, asked once per process (the launcher asks per GPU of its memory plan)."""
+    return nvml_gpus()
+
+
 def visible_gpus() -> list[Gpu] | None:
     """This process's GPUs as CUDA will number them, or None: ask torch instead."""
     try:
-        gpus = nvml_gpus()
+        gpus = _host_gpus()
     except NvmlError:
         return None
     if gpus is None:

@@ -78,6 +78,8 @@ def test_the_count_and_sizes_are_torchs():
 def test_a_host_without_nvml_or_gpu_device_files_has_no_gpu_without_asking_torch(monkeypatch):
     monkeypatch.setattr(gpus, "nvml_gpus", lambda library="": None)
     monkeypatch.setattr(glob, "glob", lambda pattern: [])
+    gpus._host_gpus.cache_clear()
     assert gpus.visible_gpus() == []
     monkeypatch.setattr(glob, "glob", lambda pattern: ["/dev/kfd"] if "kfd" in pattern else [])
     assert gpus.visible_gpus() is None  # a ROCm host: torch counts its GPUs
+    gpus._host_gpus.cache_clear()  # the next test reads this host again
