@@ -9,7 +9,9 @@ block ends every process it started, whatever the reason. Each mode is a `Launch
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import importlib
 import logging
 import os
 from collections.abc import AsyncIterator, Sequence
@@ -408,6 +410,12 @@ async def start_cluster(
             raise ConfigError(_bind_problem(e)) from None
         stack.push_async_callback(launcher.close)  # the nodes end while the controller is up
         await launcher.start(ctl.address)
+        # The launcher starts the nodes before importing torch (`arl.launch`); the controller
+        # imports it now, while they start, in a thread: in the event loop the import would
+        # hold the loop for a second or more as the nodes say hello.
+        torch_imported = asyncio.get_running_loop().run_in_executor(
+            None, importlib.import_module, "torch"
+        )
         # Unwound before the launchers end the nodes: their exits then are expected, not losses.
         stack.callback(ctl.expect_exits)
         handles = await ctl.wait_for_nodes(
@@ -416,6 +424,7 @@ async def start_cluster(
             stop_if=launcher.exited,
             hint=launcher.hint(ctl.address),
         )
+        await torch_imported
         by_name = {h.node_id: h for h in handles}
         if set(names) <= set(by_name):
             placed = [

@@ -119,7 +119,7 @@ class NodeDaemon:
     # ---- info -------------------------------------------------------------------------------
     def info(self) -> dict:
         """What the node tells the controller about itself."""
-        import torch  # local: the daemon starts fast when torch is not needed for the hello
+        import torch  # imported before the loop by `main`; local for daemons embedded in tests
 
         cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return {
@@ -568,6 +568,10 @@ def main(argv: list[str] | None = None) -> int:
         ),
         data_host=data_host,
     )
+    # The hello reports the node's GPUs (`info`) and every worker runs on torch: imported here,
+    # before the event loop, whose watchdog would report a second-long import in it as a stall.
+    import torch  # noqa: F401
+
     reason = run_loop(node.run())
     log.info("node %s exited: %s", node.node_id, reason)
     logging.shutdown()
