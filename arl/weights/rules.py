@@ -60,11 +60,7 @@ class IpcBufferRule(ModeRule):
     @classmethod
     def suits(cls, plan: Sequence[NodeSpec]) -> bool:
         """Auto picks it on a shared GPU; on CPU auto keeps zmq."""
-        try:
-            engines_on_rank0_gpu(cls.mode, plan)
-        except ConfigError:
-            return False
-        return True
+        return bool(train_rank0(plan).gpu_ids) and super().suits(plan)
 
 
 class IpcRule(ModeRule):
