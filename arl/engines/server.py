@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, ClassVar, TypeVar
 import aiohttp
 
 from arl.engines.base import WeightCheck, WeightTarget, refuse_target
-from arl.engines.spec import TRAITS
+from arl.engines.spec import SERVER_TRAITS
 from arl.process import OwnedProcess, spawn
 from arl.protocol.errors import ErrorKind
 from arl.wire.addresses import free_port as free_port  # re-exported for the server engines
@@ -278,14 +278,14 @@ class HttpServerEngine:
     # held there and runs after the resume, so the new window's version is right for it too.
 
     name: ClassVar[str] = "server"
-    # Declared in `arl.engines.spec.TRAITS` (the same for both servers), which the launcher reads
-    # without importing the engines.
-    weight_targets: ClassVar[frozenset[WeightTarget]] = TRAITS["vllm"].weight_targets
+    # Declared in `arl.engines.spec.SERVER_TRAITS` (both servers' entry of `TRAITS`), which the
+    # launcher reads without importing the engines.
+    weight_targets: ClassVar[frozenset[WeightTarget]] = SERVER_TRAITS.weight_targets
     weights_device: ClassVar[None] = None  # it takes no tensors from this process
-    pause_in_place: ClassVar[bool] = TRAITS["vllm"].pause_in_place
-    can_sleep: ClassVar[bool] = TRAITS["vllm"].can_sleep
-    serves_lora: ClassVar[bool] = TRAITS["vllm"].serves_lora
-    weight_check: ClassVar[WeightCheck] = TRAITS["vllm"].weight_check
+    pause_in_place: ClassVar[bool] = SERVER_TRAITS.pause_in_place
+    can_sleep: ClassVar[bool] = SERVER_TRAITS.can_sleep
+    serves_lora: ClassVar[bool] = SERVER_TRAITS.serves_lora
+    weight_check: ClassVar[WeightCheck] = SERVER_TRAITS.weight_check
     version: int
 
     def __init__(

@@ -39,7 +39,7 @@ ENGINES: dict[str, str] = {
 SERVER_ENGINES = ("vllm", "sglang")
 # What each engine declares (`EngineTraits`; its class reads its entry): the launcher checks a
 # plan against these before any node starts, without importing the engine.
-_SERVER = EngineTraits(
+SERVER_TRAITS = EngineTraits(
     weight_targets=frozenset({WeightTarget.DIRECTORY}),  # a server loads weights from a folder
     pause_in_place=False,
     # Both servers sleep (vLLM on CUDA only: `check_engine_support`) and serve LoRA adapters,
@@ -56,8 +56,8 @@ TRAITS: dict[str, EngineTraits] = {
         serves_lora=True,
         weight_check=WeightCheck.CHECKSUM,
     ),
-    "vllm": _SERVER,
-    "sglang": _SERVER,
+    "vllm": SERVER_TRAITS,
+    "sglang": SERVER_TRAITS,
 }
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 PORT_PLACEHOLDER = "<port>"  # the server's port is picked free on its node when it starts

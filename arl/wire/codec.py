@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import msgpack
 
-from arl.protocol.dtypes import torch_dtypes, wire_names
+from arl.protocol.dtypes import dtype_of, wire_names
 from arl.protocol.errors import ErrorKind
 
 if TYPE_CHECKING:
@@ -58,8 +58,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 def parse_dtype(name: str) -> torch.dtype:
     """The torch dtype for a wire dtype name."""
     try:
-        return torch_dtypes()[name]
-    except (KeyError, TypeError):
+        return dtype_of(name)
+    except ValueError:
         raise WireError(f"unknown dtype {name!r} on the wire") from None
 
 

@@ -322,16 +322,15 @@ def test_the_launcher_starts_its_nodes_before_importing_torch(tmp_path):
     from tests.support.tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path / "tiny")  # a local folder: its safetensors are read here
+    (tmp_path / "data").mkdir()
+    row = '{"question": "1+1?", "answer": "#### 2"}\n'
+    for split in ("train", "test"):
+        (tmp_path / "data" / f"{split}.jsonl").write_text(row * 4)
     for args in (
         ["recipes/arith.py"],
         ["recipes/arith.py", f"actor.path={model}"],
         ["recipes/gsm8k.py", f"data.path={tmp_path / 'data'}"],
     ):
-        if "recipes/gsm8k.py" in args:
-            (tmp_path / "data").mkdir(exist_ok=True)
-            row = '{"question": "1+1?", "answer": "#### 2"}\n'
-            for split in ("train", "test"):
-                (tmp_path / "data" / f"{split}.jsonl").write_text(row * 4)
         r = subprocess.run(
             [sys.executable, "-c", _FIRST_SPAWN, *args, f"experiment.run_dir={tmp_path}/runs"],
             cwd=REPO,
