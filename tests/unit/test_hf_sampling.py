@@ -5,9 +5,22 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from arl.engines.hf.sampling import sample_rows
+
+# On CUDA, rows that do not truncate take the Triton kernel (arl.engines.hf.kernels).
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ],
+    ),
+]
 
 # Ten tokens: distinct probabilities, two impossible ones (-inf), one between the likely ones.
 LOGITS = torch.tensor([2.0, -1.0, 0.5, float("-inf"), 1.5, -0.3, 0.0, float("-inf"), 1.0, -2.0])
@@ -15,20 +28,20 @@ V = LOGITS.numel()
 N = 40_000  # draws per case: one row each
 
 
-def draw(temperature=1.0, top_p=1.0, top_k=V, greedy=False, seed=0):
-    logits = LOGITS.expand(N, V).contiguous()
-    gen = torch.Generator().manual_seed(seed)
+def draw(temperature=1.0, top_p=1.0, top_k=V, greedy=False, seed=0, device="cpu"):
+    logits = LOGITS.to(device).expand(N, V).contiguous()
+    gen = torch.Generator(device).manual_seed(seed)
     tokens, logp = sample_rows(
         logits,
-        torch.full((N,), temperature),
-        torch.full((N,), greedy),
-        torch.full((N,), 2.0 if top_p >= 1 else top_p),
-        torch.full((N,), top_k, dtype=torch.long),
+        torch.full((N,), temperature, device=device),
+        torch.full((N,), greedy, device=device),
+        torch.full((N,), 2.0 if top_p >= 1 else top_p, device=device),
+        torch.full((N,), top_k, dtype=torch.long, device=device),
         gen,
         all_greedy=False,
         truncate=top_p < 1 or top_k < V,
     )
-    return tokens, logp
+    return tokens.cpu(), logp.cpu()
 
 
 def expected(temperature=1.0, top_p=1.0, top_k=V) -> torch.Tensor:
@@ -53,43 +66,47 @@ def assert_frequencies(tokens: torch.Tensor, p: torch.Tensor) -> None:
     assert worst < 5, f"frequencies {freq.tolist()} against {p.tolist()} ({worst:.1f} sigma)"
 
 
-def test_draws_follow_the_tempered_distribution() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_draws_follow_the_tempered_distribution(device: str) -> None:
     for temperature in (1.0, 0.5, 2.0):
-        tokens, logp = draw(temperature=temperature)
+        tokens, logp = draw(temperature=temperature, device=device)
         assert_frequencies(tokens, expected(temperature))
         full = torch.log_softmax(LOGITS / temperature, dim=-1)
         torch.testing.assert_close(logp, full[tokens])
 
 
-def test_top_p_and_top_k_truncate_but_log_probs_stay_untruncated() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_p_and_top_k_truncate_but_log_probs_stay_untruncated(device: str) -> None:
     for top_p, top_k in ((0.6, V), (0.95, V), (1.0, 3), (0.9, 2), (1.0, 1)):
-        tokens, logp = draw(top_p=top_p, top_k=top_k)
+        tokens, logp = draw(top_p=top_p, top_k=top_k, device=device)
         assert_frequencies(tokens, expected(top_p=top_p, top_k=top_k))
         torch.testing.assert_close(logp, torch.log_softmax(LOGITS, dim=-1)[tokens])
 
 
-def test_greedy_rows_take_the_argmax_beside_sampled_rows() -> None:
-    logits = LOGITS.expand(6, V).contiguous()
-    greedy = torch.tensor([True, False, True, False, True, False])
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_rows_take_the_argmax_beside_sampled_rows(device: str) -> None:
+    logits = LOGITS.to(device).expand(6, V).contiguous()
+    greedy = torch.tensor([True, False, True, False, True, False], device=device)
+    ones = torch.ones(6, device=device)
     for truncate in (False, True):
         tokens, _ = sample_rows(
             logits,
-            torch.ones(6),
+            ones,
             greedy,
-            torch.full((6,), 0.9 if truncate else 2.0),
-            torch.full((6,), V, dtype=torch.long),
-            torch.Generator().manual_seed(1),
+            torch.full((6,), 0.9 if truncate else 2.0, device=device),
+            torch.full((6,), V, dtype=torch.long, device=device),
+            torch.Generator(device).manual_seed(1),
             all_greedy=False,
             truncate=truncate,
         )
         assert tokens[greedy].tolist() == [0, 0, 0]
     tokens, logp = sample_rows(
         logits,
-        torch.ones(6),
+        ones,
         greedy,
-        torch.ones(6),
-        torch.full((6,), V),
-        torch.Generator(),
+        ones,
+        torch.full((6,), V, device=device),
+        torch.Generator(device),
         all_greedy=True,
         truncate=False,
     )
@@ -97,6 +114,7 @@ def test_greedy_rows_take_the_argmax_beside_sampled_rows() -> None:
     assert math.isclose(logp[0].item(), torch.log_softmax(LOGITS, -1)[0].item(), rel_tol=1e-6)
 
 
-def test_a_seed_reproduces_its_draws() -> None:
-    assert torch.equal(draw(seed=3)[0], draw(seed=3)[0])
-    assert not torch.equal(draw(seed=3)[0], draw(seed=4)[0])
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_seed_reproduces_its_draws(device: str) -> None:
+    assert torch.equal(draw(seed=3, device=device)[0], draw(seed=3, device=device)[0])
+    assert not torch.equal(draw(seed=3, device=device)[0], draw(seed=4, device=device)[0])

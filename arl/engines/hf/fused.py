@@ -46,7 +46,8 @@ import torch
 import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
 
-from arl.precompile import precompiled
+from arl.engines.hf import kernels
+from arl.precompile import first_line, precompiled
 
 logger = logging.getLogger(__name__)
 
@@ -138,13 +139,22 @@ class FusedDecoder:
         self._qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._gate_up: list[torch.Tensor] = []
         self.compiled = compiled
-        attn_in, attn_out, head = self._functions()
+        attn_in, attn_proj, attn_out, head = self._functions()
         if compiled:  # kept under ARL_CACHE (arl.precompile): a later run loads, not traces
             attn_in = precompiled(attn_in, name="hf.fused.attn_in", dynamic=True)
+            attn_proj = precompiled(attn_proj, name="hf.fused.attn_proj", dynamic=True)
             attn_out = precompiled(attn_out, name="hf.fused.attn_out", dynamic=True)
             head = precompiled(head, name="hf.fused.head", dynamic=True)
-        self._attn_in, self._attn_out, self._head = attn_in, attn_out, head
-        self.functions = (attn_in, attn_out, head)
+        self._attn_in, self._attn_proj = attn_in, attn_proj
+        self._attn_out, self._head = attn_out, head
+        # Compiled on CUDA, `attn_proj` and the Triton kernel `kernels.rope_store` stand in for
+        # `attn_in` (one kernel for what inductor made three); the first call that fails
+        # falls back to `attn_in` for good.
+        device = next(model.parameters()).device
+        self.rope_kernel = compiled and kernels.available(device)
+        self._rope_ok = False
+        first = attn_proj if self.rope_kernel else attn_in
+        self.functions = (first, attn_out, head)
         self.bind()
 
     # ------------------------------------------------------------------ weights
@@ -204,6 +214,17 @@ class FusedDecoder:
             kv[:, kv_rows, :, kv_pos] = torch.stack((k, v), dim=1)
             return x, q.reshape(n, kv_heads, group, dim)
 
+        def attn_proj(
+            x: torch.Tensor,
+            delta: torch.Tensor,
+            norm_w: torch.Tensor,
+            qkv_w: torch.Tensor,
+            qkv_b: torch.Tensor | None,
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            # `attn_in` up to the projection; `kernels.rope_store` does the rest
+            x = x + delta
+            return x, F.linear(_rms(x, norm_w, eps), qkv_w, qkv_b)
+
         def attn_out(
             x: torch.Tensor,
             attn: torch.Tensor,
@@ -224,7 +245,7 @@ class FusedDecoder:
         ) -> torch.Tensor:
             return F.linear(_rms(x + delta, norm_w, eps), head_w)
 
-        return attn_in, attn_out, head
+        return attn_in, attn_proj, attn_out, head
 
     def _layer_in(
         self,
@@ -243,6 +264,35 @@ class FusedDecoder:
         qkv_w, qkv_b = self._qkv[i]
         q_norm = getattr(a, "q_norm", None)
         k_norm = getattr(a, "k_norm", None)
+        if self.rope_kernel:
+            try:
+                out, qkv = self._attn_proj(
+                    x, delta, self.layers[i].input_layernorm.weight, qkv_w, qkv_b
+                )
+                q = kernels.rope_store(
+                    qkv,
+                    cos,
+                    sin,
+                    None if q_norm is None else q_norm.weight,
+                    None if k_norm is None else k_norm.weight,
+                    self.eps,
+                    kv,
+                    kv_rows,
+                    kv_pos,
+                    self.heads,
+                    self.kv_heads,
+                    self.dim,
+                )
+                self._rope_ok = True
+                return out, q.view(q.shape[0], self.kv_heads, self.group, self.dim)
+            except Exception as exc:
+                if self._rope_ok:
+                    raise
+                # The first call compiles (inductor and Triton): a machine where either
+                # fails keeps the compiled torch code of `attn_in`.
+                logger.warning("fused rope/KV kernel failed (%s); using attn_in", first_line(exc))
+                self.rope_kernel = False
+                self.functions = (self._attn_in, *self.functions[1:])
         return self._attn_in(
             x,
             delta,

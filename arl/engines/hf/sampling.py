@@ -10,11 +10,24 @@ fewer times. Both sample softmax(logp) exactly, up to float rounding.
 The cumulative sum of non-negative float32 weights never decreases, and ``u`` lies in (0, 1],
 so the chosen index is always a token of positive weight (a zero-weight token does not raise
 the sum, so the search never stops on one) and never past the last.
+
+On CUDA, rows that do not truncate go through one Triton kernel (`kernels.sample_plain`: the
+same draw from the same uniform numbers, two passes over the logits instead of five); a machine
+where it fails to build keeps this torch code.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+from arl.engines.hf import kernels
+from arl.precompile import first_line
+
+logger = logging.getLogger(__name__)
+
+_KERNEL = {"failed": False}
 
 
 def sample_rows(
@@ -36,6 +49,14 @@ def sample_rows(
     (keep that many; V keeps all). ``all_greedy`` skips drawing; ``truncate`` is whether any
     row truncates (else the sort is skipped).
     """
+    if not truncate and not _KERNEL["failed"] and kernels.available(logits.device):
+        try:
+            return kernels.sample_plain(
+                logits, temperature, greedy, generator, all_greedy=all_greedy
+            )
+        except Exception as exc:  # noqa: BLE001 - a Triton that cannot build it: torch's ops
+            logger.warning("the sampling kernel failed (%s); sampling with torch", first_line(exc))
+            _KERNEL["failed"] = True
     logp = torch.log_softmax(logits.float() / temperature[:, None], dim=-1)
     greedy_tok = logp.argmax(dim=-1)
     if all_greedy:
