@@ -29,6 +29,7 @@ from pathlib import Path
 from arl.cache import cache_root
 
 CACHE_DIR_ENV = "TORCHINDUCTOR_CACHE_DIR"
+TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
 # On by default in the torch versions arl supports; set in the environment too (read when
 # inductor's config is first imported), so that compile workers make the same choice.
 _ON_BY_DEFAULT = ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE")
@@ -47,13 +48,18 @@ def compile_cache_dir(cache_dir: str | None = None, torch_version: str | None = 
 
 def use_compile_cache(cache_dir: str | None = None) -> str:
     """Point inductor's on-disk caches at `compile_cache_dir` unless ``TORCHINDUCTOR_CACHE_DIR``
-    is already set, and turn the FX graph and AOTAutograd caches on unless the environment
-    turns them off; returns the folder in use. Idempotent; call it before the first compile."""
+    is already set, and Triton's (``TRITON_CACHE_DIR``, unless set) at inductor's folder for
+    device 0 in it; turn the FX graph and AOTAutograd caches on unless the environment turns
+    them off; returns the folder in use. Idempotent; call it before the first compile."""
     for name in _ON_BY_DEFAULT:
         os.environ.setdefault(name, "1")
-    if os.environ.get(CACHE_DIR_ENV):
-        return os.environ[CACHE_DIR_ENV]
-    path = compile_cache_dir(cache_dir)
-    path.mkdir(parents=True, exist_ok=True)
-    os.environ[CACHE_DIR_ENV] = str(path)
-    return str(path)
+    used = os.environ.get(CACHE_DIR_ENV)
+    if not used:
+        path = compile_cache_dir(cache_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        os.environ[CACHE_DIR_ENV] = used = str(path)
+    # Kernels arl launches through Triton itself (arl.engines.hf.kernels) are cached where
+    # inductor keeps device 0's, not in Triton's default ~/.triton/cache (which is outside
+    # ARL_CACHE, so an "empty cache" would not be one); a user's own setting is kept.
+    os.environ.setdefault(TRITON_CACHE_ENV, os.path.join(used, "triton", "0"))
+    return used

@@ -11,7 +11,12 @@ import torch
 
 from arl.compile_cache import compile_cache_dir, use_compile_cache
 
-_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE")
+_ENV = (
+    "TORCHINDUCTOR_CACHE_DIR",
+    "TORCHINDUCTOR_FX_GRAPH_CACHE",
+    "TORCHINDUCTOR_AUTOGRAD_CACHE",
+    "TRITON_CACHE_DIR",
+)
 
 
 @pytest.fixture
@@ -30,6 +35,8 @@ def test_compiled_code_is_kept_under_arl_cache_per_torch_version(clean_env: Path
     assert expected.is_dir()
     assert os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] == "1"
     assert os.environ["TORCHINDUCTOR_AUTOGRAD_CACHE"] == "1"
+    # Triton kernels launched outside inductor: where inductor keeps device 0's
+    assert os.environ["TRITON_CACHE_DIR"] == str(expected / "triton" / "0")
     assert use_compile_cache() == used  # a second call changes nothing
 
 
@@ -46,7 +53,9 @@ def test_a_users_inductor_settings_are_kept(
     mine = tmp_path / "my-inductor"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(mine))
     monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "my-triton"))
     assert use_compile_cache() == str(mine)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(mine)
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "my-triton")
     assert os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] == "0"
     assert not clean_env.exists()  # nothing made under ARL_CACHE

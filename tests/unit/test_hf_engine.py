@@ -178,6 +178,36 @@ def test_a_groups_shared_prompt_is_prefilled_once(
     assert len({tuple(r.output_ids) for r in draws}) > 1
 
 
+def test_an_admission_of_mixed_lengths_prefills_short_and_long_prompts_apart(
+    tiny: tuple[str, LlamaForCausalLM],
+) -> None:
+    """Short and long prompts arriving interleaved are prefilled shortest first, the long ones
+    in a chunk of their own (one chunk would be mostly padding); greedy continuations match the
+    teacher-forced model, whatever row each prompt took."""
+    path, model = tiny
+    gen = torch.Generator().manual_seed(4)
+    prompts = [
+        torch.randint(0, 256, (30 if i % 2 else 500,), generator=gen).tolist() for i in range(8)
+    ]
+    sp = SamplingParams(max_new_tokens=6, greedy=True)
+
+    async def run(engine: HFEngine) -> tuple[list, dict]:
+        await engine.pause()  # one admission takes them all
+        futs = [asyncio.ensure_future(engine.agenerate(p, sp)) for p in prompts]
+        await asyncio.sleep(0.01)
+        await engine.resume()
+        return await asyncio.gather(*futs), await engine.health()
+
+    with HFEngine(path, max_prefill_tokens=100_000, max_seq_len=1024) as engine:
+        results, health = asyncio.run(run(engine))
+    assert health["prefills"] == 2
+    assert health["prefill_tokens"] == sum(len(p) - 1 for p in prompts)
+    for prompt, res in zip(prompts, results, strict=True):
+        want_lp, want = teacher_forced(model, prompt, res.output_ids, 1.0)
+        assert res.output_ids == want
+        torch.testing.assert_close(res.logprobs, want_lp, atol=1e-5, rtol=0)
+
+
 @OVERLAP
 def test_stop_tokens_max_new_tokens_and_finish_reasons(
     overlap: bool, tiny: tuple[str, LlamaForCausalLM], tmp_path: Path
