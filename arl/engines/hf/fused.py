@@ -17,11 +17,13 @@ functions per layer that ``torch.compile`` fuses (on CUDA):
   gate and up halves, SiLU-and-multiply, and the down projection (its residual add is the next
   layer's, or the final norm's).
 
-About nine kernels a layer. The functions are compiled once with the batch dimension dynamic,
-for every layer and every batch bucket (layers differ only in the tensors passed in), and kept
-under ``ARL_CACHE`` (`arl.precompile`: the model's constants are in the key), so that a later
-run loads them instead of tracing them again. Prefill
-(`FusedDecoder.prefill`) runs the same compiled functions over every prompt token at once, with
+About nine kernels a layer. Compiled on CUDA, `attn_in` stops at the projection
+(``attn_proj``) and one Triton kernel (`arl.engines.hf.kernels.rope_store`) does the norms, the
+rotary embedding and the cache write, which inductor's code took three kernels for. The
+functions are compiled once with the batch dimension dynamic, for every layer and every batch
+bucket (layers differ only in the tensors passed in), and kept under ``ARL_CACHE``
+(`arl.precompile`: the model's constants are in the key), so that a later run loads them
+instead of tracing them again. Prefill (`FusedDecoder.prefill`) runs the same compiled functions over every prompt token at once, with
 causal SDPA between them: through the modules it cost ~50 ms of host time for 16 prompts whose
 GPU work is ~1 ms.
 

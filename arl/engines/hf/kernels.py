@@ -19,13 +19,10 @@ CPU path and any machine without Triton keep the torch code (`available`).
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 try:  # Triton comes with CUDA builds of torch; a CPU build has none
     import triton
