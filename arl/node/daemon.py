@@ -17,7 +17,8 @@ a job script started with default flags honours the run's settings. Then it serv
   on this host (for a torch.distributed rendezvous).
 
 It exits on ``bye``, on SIGTERM/SIGINT, and when the controller has been silent for
-``heartbeat_timeout`` seconds.
+``heartbeat_timeout`` seconds; once stopped, the process ends within a grace period even where
+something in its teardown blocks.
 
 A watchdog thread notices when the node's event loop has not run for a quarter of
 ``heartbeat_timeout`` (a blocking call inside ``async def``, e.g. in a reward): it logs the loop
@@ -71,6 +72,11 @@ DEFAULT_PREFIXES = ("arl.",)
 
 
 _TICK_S = 0.1
+# Each hosted object's close at shutdown waits this long at most.
+_CLOSE_TIMEOUT_S = 10.0
+# A stopped node's process ends this long (plus the objects' close timeouts) after it stopped,
+# whatever blocks its teardown (`NodeDaemon._arm_exit_guard`).
+_EXIT_GRACE_S = 10.0
 
 
 class NodeDaemon:
@@ -85,8 +91,12 @@ class NodeDaemon:
         node_id: str,
         config: NodeConfig | None = None,
         data_host: str = "127.0.0.1",
+        exit_guard: bool = False,
     ):
         self.controller = controller
+        # The process's own daemon (`main`): once stopped, the process ends within a grace
+        # period whatever blocks its teardown (`_arm_exit_guard`). Off for a node run in-process.
+        self.exit_guard = exit_guard
         self.security = security
         self.node_id = node_id
         self.config = config or NodeConfig()  # the flags' until the hello reply
@@ -186,8 +196,29 @@ class NodeDaemon:
             hb.cancel()
             tick.cancel()
             hello.cancel()
+            if self.exit_guard:
+                self._arm_exit_guard()
             await self._shutdown()
         return self.exit_reason
+
+    def _arm_exit_guard(self) -> None:
+        """End the process ``_EXIT_GRACE_S`` (plus each hosted object's close timeout) from now
+        if it is still alive: a stopped node must not outlive its run because something in its
+        teardown blocks. Seen once: the event loop's close ran a tqdm progress bar's finalizer,
+        which waited forever on tqdm's cross-process lock, held by a process killed with the
+        test run that started the node."""
+        grace = _EXIT_GRACE_S + _CLOSE_TIMEOUT_S * len(self.objects)
+        note = (
+            f"node {self.node_id}: not exited {grace:.0f} s after it stopped; ending the process\n"
+        )
+
+        def force_exit() -> None:
+            os.write(2, note.encode())  # not through logging, whose locks may be the ones held
+            os._exit(0)
+
+        timer = threading.Timer(grace, force_exit)
+        timer.daemon = True
+        timer.start()
 
     async def _configure(self, reply: Any) -> None:
         """Apply the run's node config from the controller's hello reply (none: keep the
@@ -259,10 +290,11 @@ class NodeDaemon:
             return
         try:
             if inspect.iscoroutinefunction(close):
-                await asyncio.wait_for(close(), 10)
+                await asyncio.wait_for(close(), _CLOSE_TIMEOUT_S)
             else:
                 await asyncio.wait_for(
-                    asyncio.get_running_loop().run_in_executor(self.engine_thread, close), 10
+                    asyncio.get_running_loop().run_in_executor(self.engine_thread, close),
+                    _CLOSE_TIMEOUT_S,
                 )
         except Exception:
             log.exception("closing object %s failed", name)
@@ -567,6 +599,7 @@ def main(argv: list[str] | None = None) -> int:
             max_message_bytes=a.max_message_bytes,
         ),
         data_host=data_host,
+        exit_guard=True,
     )
     # The hello reports the node's GPUs (`info`) and every worker runs on torch: imported here,
     # before the event loop, whose watchdog would report a second-long import in it as a stall.

@@ -4,6 +4,7 @@ ends the wait at once (with its exit status and stderr), a timeout names who cam
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
@@ -50,3 +51,29 @@ def test_a_timeout_names_the_nodes_that_came_and_from_where():
     address, message = asyncio.run(main())
     assert message.startswith(f"1 of 2 nodes connected to {address} (only from ")
     assert message.endswith(" within 0.5s; do X")
+
+
+def test_a_stopped_node_whose_teardown_blocks_still_exits(tmp_path, capfd):
+    """A node stops when its controller stays silent (here: it holds another secret). A
+    teardown that then blocks for good (the event loop's close waits forever here, as a
+    third-party finalizer once did on a lock held by a killed process) does not keep the
+    process alive: it ends, status 0, after its grace period, and says so."""
+    # Imported by the node's interpreter at start-up (PYTHONPATH comes before site-packages).
+    (tmp_path / "sitecustomize.py").write_text(
+        "import asyncio, threading\nasyncio.Runner.close = lambda self: threading.Event().wait()\n"
+    )
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+
+    async def main() -> int:
+        kw = {"heartbeat_interval": 0.3, "heartbeat_timeout": 1.5}
+        async with Controller(Security(new_secret()), **kw) as ctl:
+            env = {"OMP_NUM_THREADS": "1", "ARL_LOG_LEVEL": "INFO", "PYTHONPATH": path}
+            async with LocalNodes(
+                ctl.address, Security(new_secret()), [env], node_ids=["stuck"], **kw
+            ) as nodes:
+                return await asyncio.wait_for(nodes.procs[0].wait(), 90)
+
+    assert asyncio.run(main()) == 0
+    err = capfd.readouterr().err
+    assert "node stuck stopping: controller silent" in err, err[-2000:]
+    assert "node stuck: not exited 10 s after it stopped; ending the process" in err, err[-2000:]

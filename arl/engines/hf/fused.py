@@ -23,9 +23,9 @@ rotary embedding and the cache write, which inductor's code took three kernels f
 functions are compiled once with the batch dimension dynamic, for every layer and every batch
 bucket (layers differ only in the tensors passed in), and kept under ``ARL_CACHE``
 (`arl.precompile`: the model's constants are in the key), so that a later run loads them
-instead of tracing them again. Prefill (`FusedDecoder.prefill`) runs the same compiled functions over every prompt token at once, with
-causal SDPA between them: through the modules it cost ~50 ms of host time for 16 prompts whose
-GPU work is ~1 ms.
+instead of tracing them again. Prefill (`FusedDecoder.prefill`) runs the same compiled
+functions over every prompt token at once, with causal SDPA between them: through the modules
+it cost ~50 ms of host time for 16 prompts whose GPU work is ~1 ms.
 
 One projection for q, k and v (and one for gate and up) needs their weights in one matrix: at
 `bind` each layer's q/k/v weights are copied into one buffer and the model's Parameters become
