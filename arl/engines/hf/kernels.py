@@ -19,7 +19,6 @@ CPU path and any machine without Triton keep the torch code (`available`).
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -198,10 +197,6 @@ if triton is not None:
         tl.store(logp_ptr + row, x_tok - lse)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(1, n))))
-
-
 def rope_store(
     qkv: torch.Tensor,
     cos: torch.Tensor,
@@ -250,8 +245,8 @@ def rope_store(
         HEADS=heads,
         KV_HEADS=kv_heads,
         HALF=dim // 2,
-        BLOCK_HEADS=_next_pow2(heads + 2 * kv_heads),
-        BLOCK_HALF=_next_pow2(dim // 2),
+        BLOCK_HEADS=triton.next_power_of_2(heads + 2 * kv_heads),
+        BLOCK_HALF=triton.next_power_of_2(dim // 2),
         NORM=norm,
     )
     return q
