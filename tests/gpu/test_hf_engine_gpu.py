@@ -249,9 +249,48 @@ def test_fused_decode_gives_the_modules_tokens_in_cuda_graphs_cuda(
         results = asyncio.run(staggered(engine, prompts, sp))
         health = asyncio.run(engine.health())
     assert health["fused_decode"] and health["cuda_graphs"] and health["last_error"] is None
+    assert health["prefill_replays"] > 0  # the joining rows' prefills replayed their graph
     for res, ref in zip(results, expected, strict=True):
         assert res.output_ids == ref.output_ids
         torch.testing.assert_close(res.logprobs, ref.logprobs, atol=1e-4, rtol=0)
+
+
+def test_a_prefill_replayed_from_its_graph_writes_what_an_eager_prefill_writes_cuda(
+    tmp_path: Path,
+) -> None:
+    """Prefills of shapes sharing a bucket replay one CUDA graph at any first row: the prompt
+    rows get the keys and values of an eager fused prefill (fp32), the rows before them are
+    untouched, and a shape of another bucket captures a graph of its own."""
+    vocab = 4096
+    path = save_model(tmp_path / "m", vocab_size=vocab, **MEDIUM)
+    gen = torch.Generator().manual_seed(3)
+    kw = dict(device="cuda", dtype="float32", max_batch_size=32, max_seq_len=256)
+    with HFEngine(path, **kw) as e, e._model_lock, torch.no_grad():
+        assert e._prefill_graphs is not None and e._fused is not None
+        e._cache.reserve(32, 128)
+        layers = range(MEDIUM["num_hidden_layers"])
+
+        def cache() -> torch.Tensor:  # [layers, 2, rows, kv_heads, positions, dim]
+            return torch.stack([e._layer_kv(i) for i in layers])
+
+        def ids(rows: int, width: int) -> torch.Tensor:
+            return torch.randint(0, vocab, (rows, width), generator=gen).cuda()
+
+        assert e._fused_prefill(0, ids(8, 5))  # the first fused call runs eagerly
+        graphs, replays = len(e._prefill_graphs), e._prefill_graphs.replays
+        for row0, (rows, width) in ((0, (3, 17)), (5, (3, 30)), (9, (2, 40)), (20, (4, 9))):
+            x = ids(rows, width)
+            before = cache().clone()
+            assert e._fused_prefill(row0, x)
+            got = cache().clone()
+            e._fused.prefill(x, torch.arange(row0, row0 + rows, device="cuda"), e._layer_kv)
+            want = cache()
+            span = slice(row0, row0 + rows)
+            torch.testing.assert_close(got[:, :, span, :, :width], want[:, :, span, :, :width])
+            assert torch.equal(got[:, :, :row0], before[:, :, :row0])
+        # (3, 17), (3, 30) and (4, 9) run as 4 x 64 (captured, replayed twice); (2, 40) as 2 x 64
+        assert len(e._prefill_graphs) == graphs + 2
+        assert e._prefill_graphs.replays == replays + 2
 
 
 def test_fused_decode_bf16_logprobs_match_a_teacher_forced_pass_cuda(tmp_path: Path) -> None:

@@ -51,3 +51,19 @@ def test_warm_up_captures_every_shape_a_decode_step_can_run_and_no_other():
         assert len(shapes) == len(set(shapes)) and set(shapes) == reachable
     # arith on one engine: 48 groups x 8 samples in flight, 128 + 64 + 1 positions.
     assert len(warm_up_shapes(384, warm_up_widths(193, 2048))) == 11 * 3
+
+
+def test_a_prefill_runs_at_its_bucket_while_that_fits_the_cache_and_the_token_cap():
+    from arl.engines.hf.graphs import prefill_shape
+
+    cap = 8192
+    assert prefill_shape(1, 5, 32, 128, cap) == (1, 64)
+    assert prefill_shape(3, 17, 32, 128, cap) == prefill_shape(4, 64, 32, 128, cap) == (4, 64)
+    assert prefill_shape(3, 65, 32, 256, cap) == (4, 128)
+    assert prefill_shape(70, 40, 256, 128, cap) == (128, 64)  # rows above 64: multiples of 64
+    assert prefill_shape(3, 600, 32, 1024, cap) == (4, 768)  # widths above 512: of 256
+    # a bucket past the cache's free rows or positions, or past the token cap, has no graph
+    assert prefill_shape(5, 10, 7, 128, cap) is None
+    assert prefill_shape(2, 100, 32, 64, cap) is None
+    assert prefill_shape(64, 200, 320, 1024, cap) is None  # 64 x 256 tokens
+    assert prefill_shape(64, 200, 320, 1024, 2 * cap) == (64, 256)

@@ -26,11 +26,12 @@ compaction is one copy. Other models, and ``fused_decode=False``, decode through
 
 On CUDA the decode step is replayed from CUDA graphs, one per (batch bucket, KV-length bucket),
 or with flex one per batch bucket at the cache's whole width (blocks past a row's length cost
-nothing), since per-step host overhead, not the GPU, bounds an eager decode step. Prefill stays
-eager, so newcomers are admitted at most every ``prefill_interval`` decode steps while others
-run. With
-``warm_up_len`` (the trainer passes prompt + new tokens) every graph up to that length is
-captured when the engine is built, as a server does before it serves.
+nothing), since per-step host overhead, not the GPU, bounds an eager decode step. A fused
+prefill is replayed from a graph of its (rows, width) bucket too (graphs.py `PrefillGraphs`:
+captured on a bucket's first prefill, which runs eagerly); newcomers are admitted at most every
+``prefill_interval`` decode steps while others run. With ``warm_up_len`` (the trainer passes
+prompt + new tokens) every decode graph up to that length is captured when the engine is built,
+as a server does before it serves.
 
 Pausing for a weight sync: `pause()` ends every running request with ``"abort"`` at its next
 step boundary (the caller resubmits it, so its prompt and tokens so far are prefilled again).
@@ -45,8 +46,9 @@ base + adapter exactly as the trainer's forward does; a sync copies the adapter'
 (or loads a peft adapter folder), and `weights_checksum` covers the adapter only.
 
 Sleeping (``rollout.gpu_sharing=sleep``): `sleep(drop_weights)` pauses in abort mode and frees
-the decode graphs and the KV cache, and with ``drop_weights`` the storage of the weights a sync
-rewrites (the Parameters stay, empty); `wake()` reallocates them, and the next sync fills them.
+the decode and prefill graphs and the KV cache, and with ``drop_weights`` the storage of the
+weights a sync rewrites (the Parameters stay, empty); `wake()` reallocates them, and the next
+sync fills them.
 Requests submitted meanwhile wait until `resume()`.
 """
 

@@ -45,6 +45,7 @@ from arl.engines.hf.flex import (
 from arl.engines.hf.fused import FusedDecoder, unsupported_reason
 from arl.engines.hf.graphs import (
     DecodeGraphs,
+    PrefillGraphs,
     row_bucket,
     warm_up_shapes,
     warm_up_widths,
@@ -69,6 +70,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # Padding a prefill chunk may carry before the chunk is split (see `HFEngine._admit`): fewer
 # wasted tokens cost less than another prefill's launches.
 _PAD_TOKENS = 1024
+# The prefill graphs' memory pool holds the activations of the largest bucket captured: its
+# tokens are bounded so that it stays about this size (a small model's prefills, which are
+# bound by their host work, fit whole; a large model's host work hides behind its GPU work).
+_PREFILL_GRAPH_BYTES = 512 << 20
 # The decode thread drops the GIL at each blocking call of a step (a graph replay, the step's
 # device-to-host copy) and then has to win it back from the process's other threads (reward
 # functions, the event loop). Under CPython's default 5 ms switch interval a busy neighbour
@@ -286,6 +291,11 @@ class HFEngine:
         self._prefill_tokens = 0
         self._last_admit_step = 0
         self._graphs = DecodeGraphs(self.device)
+        # Prefills replayed from CUDA graphs: with the compiled fused functions, as decode.
+        self._prefill_graphs: PrefillGraphs | None = None
+        if self.cuda_graphs and self._fused is not None and self._fused.compiled:
+            tokens = min(2 * max_prefill_tokens, _PREFILL_GRAPH_BYTES // self._token_bytes())
+            self._prefill_graphs = PrefillGraphs(self.device, tokens)
         self._warm_up_len = min(warm_up_len, max_seq_len)
         self._asleep = False
         self._dropped: list[tuple[torch.nn.Parameter, torch.Size]] = []  # weights a sleep freed
@@ -366,6 +376,7 @@ class HFEngine:
         with self._cv:
             self._raise_if_unusable_locked()
             mode = ("in_place" if self._in_place else "abort") if self._paused else None
+            prefill = self._prefill_graphs
             return {
                 "engine": self.name,
                 "running": len(self._rows),
@@ -382,6 +393,8 @@ class HFEngine:
                 "fused_decode": self._fused is not None,
                 "decode_attention": self.decode_attention,
                 "decode_graphs": len(self._graphs),
+                "prefill_graphs": len(prefill) if prefill is not None else 0,
+                "prefill_replays": prefill.replays if prefill is not None else 0,
                 "load_s": self.load_s,
                 "compile_s": self.compile_s,
                 "warm_up_s": self.warm_up_s,
@@ -525,7 +538,7 @@ class HFEngine:
                 host = sum(
                     t.nbytes for t in (*self._cache.keys.values(), *self._cache.values.values())
                 )
-                self._graphs.clear()
+                self._clear_graphs()
                 self._cache.free()
                 if drop_weights:
                     if self._fused is not None:
@@ -611,7 +624,7 @@ class HFEngine:
             self._release_pause_waiters_locked()
         for req in leftovers:
             deliver(req, error=EngineClosedError("the HFEngine was closed during this request"))
-        self._graphs.clear()
+        self._clear_graphs()
         self._cache.free()
 
     @classmethod
@@ -705,7 +718,7 @@ class HFEngine:
                 # small and grow on demand, as without a warm-up.
                 logger.warning("hf engine warm-up ran out of memory (%s); capturing lazily", exc)
                 self._last_error = f"warm-up ran out of memory: {exc}"
-                self._graphs.clear()
+                self._clear_graphs()
                 self._cache.free()
                 torch.cuda.empty_cache()
             except Exception as exc:
@@ -713,7 +726,7 @@ class HFEngine:
                 logger.exception("CUDA graph capture failed in warm-up; decoding eagerly")
                 self._last_error = f"CUDA graph capture failed: {exc!r}"
                 self.cuda_graphs = False
-                self._graphs.clear()
+                self._clear_graphs()
                 self._cache.free()
         self.warm_up_s = time.perf_counter() - t0
         if not self._graphs:
@@ -946,6 +959,22 @@ class HFEngine:
             req.pos = length
         self._rows.extend(chunk)
 
+    def _graph_prefill(self, ids: torch.Tensor, row0: int) -> bool:
+        """`_fused_prefill` through a CUDA graph of its shape's bucket; False where none fits
+        the cache (the caller prefills eagerly). A capture that fails turns them off."""
+        graphs = self._prefill_graphs
+        assert graphs is not None and self._fused is not None
+        fused, kv_of = self._fused, self._layer_kv
+        try:
+            return graphs.run(ids, row0, self._cache, lambda i, at: fused.prefill(i, at, kv_of))
+        except Exception as exc:  # noqa: BLE001 - an eager prefill still works
+            logger.warning("prefill graph capture failed (%s); prefilling eagerly", exc)
+            self._last_error = f"prefill graph capture failed: {exc!r}"
+            self._prefill_graphs = None
+            graphs.clear()
+            torch.cuda.synchronize(self.device)
+            return False
+
     def _fused_prefill(self, row0: int, ids: torch.Tensor) -> bool:
         """Prefill ``ids`` [rows, width] into the cache rows from ``row0`` through the fused
         functions; False where they cannot run here (as `_forward_decode` falls back)."""
@@ -956,7 +985,10 @@ class HFEngine:
             # first decode step writes): compiled code specialises a size of 1.
             ids = torch.nn.functional.pad(ids, (0, 1))
         try:
-            fused.prefill(ids, row0, self._layer_kv)
+            replayable = self._prefill_graphs is not None and self._fused_ok
+            if not (replayable and self._graph_prefill(ids, row0)):
+                rows_at = torch.arange(row0, row0 + ids.shape[0], device=ids.device)
+                fused.prefill(ids, rows_at, self._layer_kv)
         except Exception as exc:
             if self._fused_ok:
                 raise
@@ -1125,6 +1157,18 @@ class HFEngine:
             self._pos[n:rows] = 0
         return rows, width
 
+    def _token_bytes(self) -> int:
+        """About the activation bytes one prefill token holds at once in a fused layer (its
+        residual, q/k/v, the attention's repeated keys and values, the MLP's halves)."""
+        cfg = self._model.config
+        return 2 * self.dtype.itemsize * (4 * cfg.hidden_size + 3 * cfg.intermediate_size)
+
+    def _clear_graphs(self) -> None:
+        """Drop every captured decode and prefill graph (and their memory pools)."""
+        self._graphs.clear()
+        if self._prefill_graphs is not None:
+            self._prefill_graphs.clear()
+
     def _graph_logits(self, n: int, kv_len: int) -> torch.Tensor:
         """Replay (capturing on first use) the graph of the bucket holding ``n`` rows."""
         rows, width = self._decode_shape(n, kv_len)
@@ -1135,7 +1179,7 @@ class HFEngine:
             logger.exception("CUDA graph capture failed; decoding eagerly from now on")
             self._last_error = f"CUDA graph capture failed: {exc!r}"
             self.cuda_graphs = False
-            self._graphs.clear()
+            self._clear_graphs()
             torch.cuda.synchronize(self.device)
             return self._forward_decode(rows, width)[:n]
         graph.graph.replay()

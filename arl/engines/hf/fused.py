@@ -351,12 +351,13 @@ class FusedDecoder:
         return self._head(x, delta, inner.norm.weight, self.model.lm_head.weight)
 
     @_no_duck_sizing
-    def prefill(self, ids: torch.Tensor, row0: int, kv_of: KVOf) -> None:
+    def prefill(self, ids: torch.Tensor, rows_at: torch.Tensor, kv_of: KVOf) -> None:
         """Every layer's keys and values of ``ids`` [rows, width] (prompts right-padded, each
         at positions 0..width-1) through the same fused functions as decode, into KV-cache rows
-        ``row0..row0+rows-1`` of each layer's ``kv_of(layer)``. No logits: the engine feeds each
-        prompt's last token as the first decode step's input, so the last layer stops after
-        its keys and values.
+        ``rows_at`` [rows] (a device tensor, so that a CUDA graph of a prefill serves any
+        rows) of each layer's ``kv_of(layer)``. No logits: the engine feeds each prompt's last
+        token as the first decode step's input, so the last layer stops after its keys and
+        values.
 
         Causal attention alone is each row's mask: padding comes after a row's tokens, so no
         real query reaches it (the padded queries' outputs, and the keys and values they write
@@ -369,8 +370,9 @@ class FusedDecoder:
         inner = self.model.model
         x = inner.embed_tokens(ids.reshape(-1))  # [rows * width, hidden]: one token per row
         positions = torch.arange(width, device=ids.device).repeat(rows)
-        # Not repeat_interleave, whose result is a view: compiled code guards on an input's base
-        cache_rows = torch.arange(rows * width, device=ids.device) // width + row0
+        # An index, not repeat_interleave, whose result is a view: compiled code guards on an
+        # input's base
+        cache_rows = rows_at[torch.arange(rows * width, device=ids.device) // width]
         cos, sin = inner.rotary_emb(x[:, None, :], position_ids=positions[:, None])
         delta = _no_delta(x)
         last = len(self.layers) - 1
@@ -379,8 +381,8 @@ class FusedDecoder:
             x, q = self._layer_in(i, x, delta, cos, sin, kv, cache_rows, positions)
             if i == last:
                 return
-            # [rows, kv_heads, width, dim]: what this layer just cached
-            k, v = kv[0, row0 : row0 + rows, :, :width], kv[1, row0 : row0 + rows, :, :width]
+            # [rows, kv_heads, width, dim] each: what this layer just cached
+            k, v = kv[:, rows_at, :, :width].unbind(0)
             # [rows, heads, width, dim]; query head h reads KV head h // group
             q = q.reshape(rows, width, heads, dim).transpose(1, 2)
             if group > 1:

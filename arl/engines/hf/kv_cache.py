@@ -43,6 +43,18 @@ class SlotKVCache:
         return self._max_rows
 
     @property
+    def row_capacity(self) -> int:
+        """Rows the buffers hold (after the next `update`)."""
+        return self._rows_cap
+
+    @property
+    def allocated(self) -> bool:
+        """Whether the stacked buffers exist at the reserved capacity, so that a layer's
+        `layer_kv` returns them as they are (a CUDA graph may read them by address)."""
+        kv = self._kv
+        return kv is not None and kv.shape[2] >= self._rows_cap and kv.shape[4] >= self._seq_cap
+
+    @property
     def seq_capacity(self) -> int:
         """Positions per row the buffers hold (after the next `update`): a multiple of
         ``seq_align``, which may exceed ``max_seq`` by less than that."""
