@@ -3,11 +3,12 @@
 Two processes on one GPU without MPS take turns on it: a time slice belongs to one context, so
 a decode step's small kernels and a training step's large ones never run side by side. Under
 MPS (Multi-Process Service) the clients' kernels share the GPU's SMs at once, and each client
-can be held to a share of them (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``). Measured on one H200,
-gsm8k (8 steps): the update ran at 106.2k tokens/s instead of 80.5k and the median step took
-1.66 s instead of 2.50 s, with the engine held to 50% of the SMs (docs/results.md). Held to
-30%, the hf engine decoded garbage there (NaN log-probs; the cause was not found), so the
-share is bounded to 50-100 (`arl.config`).
+can be held to a share of them (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``). Measured on one H100,
+gsm8k (40 steps): the update ran at 161k tokens/s instead of 114k time-sliced, but the mean
+step stayed 2.2-2.5 s, bound by what the GPU does in all (docs/results.md). Held to 30% (H200)
+or 75% (H100) of the SMs, the hf engine decoded garbage (NaN log-probs), and a train rank held
+to 70% had NaN gradients (the cause was not found), so an engine's share is 50 or 100
+(`arl.config`), and the ranks are never held.
 
 `MpsDaemon` starts ``nvidia-cuda-mps-control -f`` (in the foreground, so it is an owned child
 like every other process arl starts, `arl.process`) with a private pipe directory: only the
