@@ -70,10 +70,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # Padding a prefill chunk may carry before the chunk is split (see `HFEngine._admit`): fewer
 # wasted tokens cost less than another prefill's launches.
 _PAD_TOKENS = 1024
-# The prefill graphs' memory pool holds the activations of the largest bucket captured: its
-# tokens are bounded so that it stays about this size (a small model's prefills, which are
-# bound by their host work, fit whole; a large model's host work hides behind its GPU work).
-_PREFILL_GRAPH_BYTES = 512 << 20
 # The decode thread drops the GIL at each blocking call of a step (a graph replay, the step's
 # device-to-host copy) and then has to win it back from the process's other threads (reward
 # functions, the event loop). Under CPython's default 5 ms switch interval a busy neighbour
@@ -294,8 +290,9 @@ class HFEngine:
         # Prefills replayed from CUDA graphs: with the compiled fused functions, as decode.
         self._prefill_graphs: PrefillGraphs | None = None
         if self.cuda_graphs and self._fused is not None and self._fused.compiled:
-            tokens = min(2 * max_prefill_tokens, _PREFILL_GRAPH_BYTES // self._token_bytes())
-            self._prefill_graphs = PrefillGraphs(self.device, tokens)
+            self._prefill_graphs = PrefillGraphs.for_model(
+                self.device, self._model.config, self.dtype, max_prefill_tokens
+            )
         self._warm_up_len = min(warm_up_len, max_seq_len)
         self._asleep = False
         self._dropped: list[tuple[torch.nn.Parameter, torch.Size]] = []  # weights a sleep freed
@@ -1156,12 +1153,6 @@ class HFEngine:
             # Padding rows compute garbage into free cache rows; keep their writes in bounds.
             self._pos[n:rows] = 0
         return rows, width
-
-    def _token_bytes(self) -> int:
-        """About the activation bytes one prefill token holds at once in a fused layer (its
-        residual, q/k/v, the attention's repeated keys and values, the MLP's halves)."""
-        cfg = self._model.config
-        return 2 * self.dtype.itemsize * (4 * cfg.hidden_size + 3 * cfg.intermediate_size)
 
     def _clear_graphs(self) -> None:
         """Drop every captured decode and prefill graph (and their memory pools)."""

@@ -156,6 +156,16 @@ class DecodeGraphs:
 # Prefill graphs: rows a power of two up to 64, then multiples of 64; KV widths as decode's.
 # A graph holds at most twice the engine's prefill chunk (``max_prefill_tokens``), padding
 # included, so that every chunk's bucket has one: its activations stay in the graphs' pool.
+# That pool holds the activations of the largest bucket captured: its tokens are also bounded
+# so that it stays about this size (a small model's prefills, which are bound by their host
+# work, fit whole; a large model's host work hides behind its GPU work).
+PREFILL_GRAPH_BYTES = 512 << 20
+
+
+def prefill_token_bytes(config: Any, dtype: torch.dtype) -> int:
+    """About the activation bytes one prefill token holds at once in a fused layer (its
+    residual, q/k/v, the attention's repeated keys and values, the MLP's halves)."""
+    return 2 * dtype.itemsize * (4 * config.hidden_size + 3 * config.intermediate_size)
 
 
 def prefill_shape(
@@ -191,6 +201,15 @@ class PrefillGraphs:
     (as for the eager prefill's padding). Every graph reads the cache's buffers by address:
     when they are reallocated (``cache.generation``) every graph is dropped.
     """
+
+    @classmethod
+    def for_model(
+        cls, device: torch.device, config: Any, dtype: torch.dtype, max_prefill_tokens: int
+    ) -> PrefillGraphs:
+        """The graphs of an engine whose prefill chunks hold ``max_prefill_tokens``: buckets of
+        at most twice that, and of at most `PREFILL_GRAPH_BYTES` of activations."""
+        per_token = prefill_token_bytes(config, dtype)
+        return cls(device, min(2 * max_prefill_tokens, PREFILL_GRAPH_BYTES // per_token))
 
     def __init__(self, device: torch.device, max_tokens: int) -> None:
         self.device, self.max_tokens = device, max_tokens
