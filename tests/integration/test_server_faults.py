@@ -31,6 +31,7 @@ from arl.protocol.errors import ErrorKind, RemoteError
 from arl.protocol.remote import rollout_worker
 from tests.support.cluster import local_cluster
 from tests.support.tiny_model import make_tiny_model
+from tests.support.vllm import EAGER, SKIP_REASON, vllm_python
 
 REPO = Path(__file__).resolve().parents[2]
 STANDIN = [sys.executable, "-m", "tests.support.sglang_standin"]
@@ -185,19 +186,13 @@ def test_rollout_node_stops_naming_its_killed_server(tiny_model):
     assert process_group_members(pid) == []
 
 
-def _vllm_python() -> str | None:
-    explicit = os.environ.get("ARL_VLLM_PYTHON")
-    venv = REPO / ".venv-vllm" / "bin" / "python"
-    return explicit or (str(venv) if venv.exists() else None)
-
-
 @pytest.mark.server
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_rollout_node_stops_naming_its_killed_vllm_server(tmp_path):
-    python = _vllm_python()
+    python = vllm_python()
     if python is None:
-        pytest.skip("no vLLM virtualenv: run `.ci/install-vllm` or set ARL_VLLM_PYTHON")
+        pytest.skip(SKIP_REASON)
     from arl.engines.model import resolve_model
 
     model = resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -220,7 +215,7 @@ def test_rollout_node_stops_naming_its_killed_vllm_server(tmp_path):
                     model_path=model,
                     dtype="bfloat16",
                     python=python,
-                    server_args=("--max-model-len", "2048"),
+                    server_args=("--max-model-len", "2048", *EAGER),
                     start_timeout_s=1500,
                 ).to_wire(),
                 engine_options={"env": {"VLLM_CPU_KVCACHE_SPACE": "2"}},

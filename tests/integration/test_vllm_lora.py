@@ -18,6 +18,7 @@ from arl.engines.server import ServerError
 from arl.engines.vllm import VLLMEngine
 from tests.integration.test_vllm_server import MODEL, VLLM_PYTHON
 from tests.support import LoopThread
+from tests.support.vllm import EAGER
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
 
@@ -54,7 +55,7 @@ def test_vllm_serves_each_synced_adapter_by_versioned_name(tmp_path: Path) -> No
     engine = VLLMEngine(
         model_dir,
         python=VLLM_PYTHON,
-        server_args=["--dtype", "float32", "--max-model-len", "512"],
+        server_args=["--dtype", "float32", "--max-model-len", "512", *EAGER],
         env={"VLLM_CPU_KVCACHE_SPACE": "1"},
         start_timeout_s=1500,
         lora_rank=8,

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import shutil
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -21,28 +19,17 @@ from arl.engines.base import SamplingParams, generate_to_completion
 from arl.engines.vllm import VLLMEngine
 from arl.process import process_group_members
 from tests.support import LoopThread
+from tests.support.vllm import EAGER, SKIP_REASON, vllm_python
 
 # The first test also pays for the server's start (minutes on a busy 2-core machine).
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
 
-REPO = Path(__file__).resolve().parents[2]
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-def _vllm_python() -> str | None:
-    explicit = os.environ.get("ARL_VLLM_PYTHON")
-    if explicit:
-        return explicit
-    venv = REPO / ".venv-vllm" / "bin" / "python"
-    return str(venv) if venv.exists() else None
-
-
-VLLM_PYTHON = _vllm_python()
+VLLM_PYTHON = vllm_python()
 if VLLM_PYTHON is None:
-    pytest.skip(
-        "no vLLM virtualenv: run `.ci/install-vllm` (creates .venv-vllm) or set ARL_VLLM_PYTHON",
-        allow_module_level=True,
-    )
+    pytest.skip(SKIP_REASON, allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +60,7 @@ def served(model_dir):
     engine = VLLMEngine(
         model_dir,
         python=VLLM_PYTHON,
-        server_args=["--dtype", "bfloat16", "--max-model-len", "2048"],
+        server_args=["--dtype", "bfloat16", "--max-model-len", "2048", *EAGER],
         env={"VLLM_CPU_KVCACHE_SPACE": "2"},
         start_timeout_s=1500,  # ~2 min on 2 idle cores; much more when they are shared
     )
