@@ -2,7 +2,7 @@
 
 Needs the vLLM virtualenv: ``.ci/install-vllm`` creates ``<repo>/.venv-vllm``; or point
 ``ARL_VLLM_PYTHON`` at another interpreter that has vLLM. One server serves the whole module
-(it takes minutes to start on a small CPU); the last test closes it.
+(about a minute to start on two CPU cores, eager); the last test closes it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from arl.process import process_group_members
 from tests.support import LoopThread
 from tests.support.vllm import EAGER, SKIP_REASON, vllm_python
 
-# The first test also pays for the server's start (minutes on a busy 2-core machine).
+# The first test also pays for the server's start (~1 min on 2 cores; more when they are busy).
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -62,7 +62,7 @@ def served(model_dir):
         python=VLLM_PYTHON,
         server_args=["--dtype", "bfloat16", "--max-model-len", "2048", *EAGER],
         env={"VLLM_CPU_KVCACHE_SPACE": "2"},
-        start_timeout_s=1500,  # ~2 min on 2 idle cores; much more when they are shared
+        start_timeout_s=1500,  # ~1 min on 2 idle cores; much more when they are shared
     )
     loop.run(engine.start(), timeout=1600)
     yield loop, engine
