@@ -104,13 +104,23 @@ def agree_count(n: int, group: dist.ProcessGroup | None = None) -> int:
     return int(t.item())
 
 
-def micro_batches(lengths: Sequence[int], budget: int, n_min: int = 1) -> list[list[int]]:
+def micro_batches(
+    lengths: Sequence[int], budget: int, n_min: int = 1, *, balanced: bool = False
+) -> list[list[int]]:
     """FFD bins of ``lengths`` under ``budget``, padded with empty bins to at least ``n_min``.
 
     Pass ``n_min = agree_count(len(ffd_bins(...)))`` so every rank runs the same number of
-    forward/backward passes (FSDP collectives must stay in step).
+    forward/backward passes (FSDP collectives must stay in step). ``balanced``: as many bins,
+    but of about equal loads (`balanced_partition`) instead of full ones and a remainder, where
+    every bin stays under ``budget`` (else the FFD bins): the micro-batches of a step then share
+    one size, so CUDA graphs of the padded sizes (`arl.train.packed.bucket_for`) meet a few
+    buckets instead of one per remainder.
     """
     bins = ffd_bins(lengths, budget)
+    if balanced and len(bins) > 1:
+        even = balanced_partition(lengths, max(len(bins), n_min))
+        if all(sum(lengths[i] for i in part) <= budget for part in even):
+            return even
     return bins + [[] for _ in range(n_min - len(bins))]
 
 

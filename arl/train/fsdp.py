@@ -789,9 +789,13 @@ class FSDPEngine:
     # ------------------------------------------------------------------ helpers
 
     def _micro_batches(self, batch: Mapping[str, torch.Tensor], budget: int) -> list[list[int]]:
-        """FFD micro-batches of this rank's rows, padded so every rank runs the same number."""
+        """This rank's rows in as many micro-batches as FFD packing needs, padded so every rank
+        runs the same number; with training graphs, of about equal loads (`micro_batches`
+        ``balanced``), so that a step's micro-batches share a graph bucket instead of each
+        remainder capturing one of its own."""
         lens = seq_lengths(batch)
-        return micro_batches(lens, budget, agree_count(len(ffd_bins(lens, budget))))
+        n = agree_count(len(ffd_bins(lens, budget)))
+        return micro_batches(lens, budget, n, balanced=self.graphs is not None)
 
     def _token_budget(self, batch: Mapping[str, torch.Tensor], *, backward: bool = True) -> int:
         """Tokens per micro-batch: ``actor.max_tokens_per_mb``, or sized from free memory.

@@ -69,6 +69,18 @@ def test_micro_batches_padded_to_a_common_count():
     assert agree_count(3) == 3  # no process group: this rank's count
 
 
+def test_balanced_micro_batches_share_the_load_in_as_many_bins():
+    # FFD: [8, 2] [5, 4] [3] (loads 10, 9, 3); balanced into 3: [8] [5, 2] [4, 3] (8, 7, 7)
+    lens = [5, 3, 8, 2, 4]
+    assert micro_batches(lens, budget=10, balanced=True) == [[2], [0, 3], [1, 4]]
+    # as many bins as the ranks agreed on, each under the budget
+    assert micro_batches(lens, budget=10, n_min=4, balanced=True) == [[2], [0], [4], [1, 3]]
+    # where the even split would pass the budget (5, 4 | 5, 3, 3 = 11), the FFD bins
+    assert balanced_partition([5, 5, 4, 3, 3], 2) == [[0, 2], [1, 3, 4]]
+    assert micro_batches([5, 5, 4, 3, 3], budget=10, balanced=True) == [[0, 1], [2, 3, 4]]
+    assert micro_batches([], budget=10, n_min=2, balanced=True) == [[], []]
+
+
 def test_balanced_partition():
     # 8 -> p0, 5 -> p1, 4 -> p1 (9), 3 -> p0 (11), 2 -> p1 (11)
     assert balanced_partition([5, 3, 8, 2, 4], 2) == [[1, 2], [0, 3, 4]]
