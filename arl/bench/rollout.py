@@ -37,7 +37,8 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GSM8K_ENV = "ARL_GSM8K"  # a directory holding GSM8K's test.jsonl, when --data is not given
 TARGET_RATIO = 0.8
-VLLM_SERVER_ARGS = ("--dtype", "bfloat16", "--max-model-len", "2048")
+# --enforce-eager: as arl starts a vLLM server on the CPU (`arl.engines.vllm.server_args_for`).
+VLLM_SERVER_ARGS = ("--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager")
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}  # GB of KV cache; the default wants far more RAM
 
 

