@@ -4,6 +4,12 @@ lengths of `arl.bench gpu`'s decode case, beside the KV read floor measured in t
 Session 31 ran it on an H100 with flashinfer-python 0.7.4 (kernels built by its JIT with the
 machine's nvcc); its output is s31_h100_flashinfer_probe.log.
 
+The device has no network and takes 64 MiB a call: the 101 MB wheel went as a 30 MB archive of
+what the JIT needs (flashinfer's Python files; data/include, data/cutlass/include,
+data/cutlass/tools/util/include, data/cccl, data/spdlog, and data/csrc's top-level files),
+unpacked onto PYTHONPATH beside the wheels of apache-tvm-ffi, ninja, nvidia-ml-py, einops and
+tabulate, with ninja's bin/ on PATH and CUDA_HOME at nvcc's.
+
 Every arm reads the same keys and values (FlashInfer's arms from a paged copy of the flex
 arm's cache, pages of a row in order) and is checked against the flex output.
 """
