@@ -492,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
             if g is None
             else f"{'on' if g['enabled'] else 'off after a failed capture'}, micro-batches of "
             f"<= {g['max_tokens']} tokens; {g['captures']} captured ({g['capture_s']:.1f} s, "
-            f"in the steps that met a new bucket), {g['replays']} replays"
+            f"in the steps that met a new bucket), {g['replays']} replays, {g.get('eager', 0)} "
+            "micro-batches eager (their mini-batch had one over the cap)"
         )
     )
     print(report(m, floors))

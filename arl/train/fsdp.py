@@ -554,6 +554,8 @@ class FSDPEngine:
             if graphed:
                 self.graphs.run(bucket, fill, self._packed_pass)
             else:
+                if self.graphs is not None:
+                    self.graphs.eager += 1
                 self._packed_pass(pack_micro_batch(dev, rows, lens, fields))
 
     def _packed_pass(self, mb: PackedMicroBatch) -> None:

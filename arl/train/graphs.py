@@ -37,6 +37,9 @@ class MicroBatchGraphs:
         self.device, self.max_tokens = device, max_tokens
         self.enabled = True
         self.captures = self.replays = 0
+        # Micro-batches run eagerly beside the graphs: their mini-batch had one over the cap (or
+        # a capture failed).
+        self.eager = 0
         self.capture_s = 0.0
         self._graphs: dict[Bucket, tuple[torch.cuda.CUDAGraph, PackedMicroBatch]] = {}
         self._pool = torch.cuda.graph_pool_handle()
@@ -44,12 +47,13 @@ class MicroBatchGraphs:
 
     def summary(self) -> dict:
         """What the graphs did so far: on (False after a failed capture), the token cap,
-        captures and their seconds, replays."""
+        captures and their seconds, replays, and micro-batches run eagerly beside them."""
         return {
             "enabled": self.enabled,
             "max_tokens": self.max_tokens,
             "captures": self.captures,
             "replays": self.replays,
+            "eager": self.eager,
             "capture_s": self.capture_s,
         }
 
