@@ -31,7 +31,7 @@ from arl.protocol.errors import ErrorKind, RemoteError
 from arl.protocol.remote import rollout_worker
 from tests.support.cluster import local_cluster
 from tests.support.tiny_model import make_tiny_model
-from tests.support.vllm import EAGER, SKIP_REASON, vllm_python
+from tests.support.vllm import SKIP_REASON, vllm_python
 
 REPO = Path(__file__).resolve().parents[2]
 STANDIN = [sys.executable, "-m", "tests.support.sglang_standin"]
@@ -215,7 +215,7 @@ def test_rollout_node_stops_naming_its_killed_vllm_server(tmp_path):
                     model_path=model,
                     dtype="bfloat16",
                     python=python,
-                    server_args=("--max-model-len", "2048", *EAGER),
+                    server_args=("--max-model-len", "2048"),  # eager: arl adds it
                     start_timeout_s=1500,
                 ).to_wire(),
                 engine_options={"env": {"VLLM_CPU_KVCACHE_SPACE": "2"}},

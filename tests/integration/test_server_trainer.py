@@ -20,7 +20,7 @@ from arl.stats.logger import read_jsonl
 from arl.weights import WeightSyncError
 from tests.support.sglang_standin import IGNORE_UPDATES_ENV, TOKEN_DELAY_ENV
 from tests.support.tiny_model import make_tiny_model, tiny_run_config
-from tests.support.vllm import EAGER, SKIP_REASON, vllm_python
+from tests.support.vllm import SKIP_REASON, vllm_python
 
 REPO = Path(__file__).resolve().parents[2]
 SHIM = REPO / "tests" / "support" / "standin_path"
@@ -128,7 +128,7 @@ def _vllm_config(tmp_path: Path, python: str, *overrides: str):
         resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct"),
         "rollout.backend=vllm:d1",
         f"rollout.server_python={python}",
-        f"rollout.server_args=[--max-model-len,2048,{','.join(EAGER)}]",
+        "rollout.server_args=[--max-model-len,2048]",  # eager: arl adds it on the CPU
         "rollout.server_start_timeout=1500",
         "rollout.dtype=bfloat16",
         "gconfig.max_new_tokens=48",

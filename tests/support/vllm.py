@@ -8,9 +8,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-# No torch.compile in the server: on CI's two cores compiling took ~145 of a server's ~185 s
-# start-up (42 s with this flag), and a server compiles again each time it starts. Nothing the
-# tests check depends on it.
+# No torch.compile in a server a test starts itself (`VLLMEngine(...)`): on CI's two cores
+# compiling took ~145 of a server's ~185 s start-up (42 s with this flag). A server started from
+# an engine spec on the CPU gets the flag from arl (`arl.engines.vllm.server_args_for`).
 EAGER = ("--enforce-eager",)
 
 SKIP_REASON = (
