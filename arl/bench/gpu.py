@@ -14,7 +14,8 @@ Sections (``--only`` picks some):
   "before" column is the same engine with transformers' stock sdpa attention and no compiled
   blocks, as it was before the decode fixes of issue 7.
 - ``decode_flex``: the engine's decode ms/step with ``decode_attention="sdpa"`` (every row's KV
-  read up to the batch's longest, bucketed) beside ``"flex"`` (each row's own length), at the
+  read up to the batch's longest, bucketed) beside ``"flex"`` and ``"triton"`` (each row's own
+  length: compiled flex_attention, and the engine's split-KV Triton kernel), at the
   same batches, for prompts of ``--prompt-len`` and for prompts of mixed lengths (rows spanning
   64 to ``--mixed-max`` positions); beside the floor over the rows' own lengths and the floor
   over the padded width sdpa reads.
@@ -385,9 +386,9 @@ def run_decode_flex(args: argparse.Namespace, path: str, floors: dict) -> list[d
     new = args.new_tokens
     lo, hi = 64, args.mixed_max - new
     print(
-        f"\n## decode attention: sdpa (KV read to the longest row's bucket) vs flex (each row's "
-        f"own length), {new} new tokens, bf16, sampling T=1; mixed: prompts {lo}..{hi}, so "
-        f"rows span {lo}..{args.mixed_max} positions"
+        f"\n## decode attention: sdpa (KV read to the longest row's bucket) vs flex and triton "
+        f"(each row's own length), {new} new tokens, bf16, sampling T=1; mixed: prompts "
+        f"{lo}..{hi}, so rows span {lo}..{args.mixed_max} positions"
     )
     print(
         "own floor = (weights + KV of the rows' own lengths) / bandwidth; padded floor = "
@@ -395,15 +396,16 @@ def run_decode_flex(args: argparse.Namespace, path: str, floors: dict) -> list[d
     )
     print(
         "| prompts | batch | sdpa ms/step | flex ms/step | sdpa / flex | flex tok/s | own floor ms "
-        "| padded floor ms | own floor / flex | flex through modules ms/step |"
+        "| padded floor ms | own floor / flex | flex through modules ms/step | triton ms/step "
+        "| triton tok/s | own floor / triton |"
     )
-    print("|" + " --- |" * 10)
+    print("|" + " --- |" * 13)
     out = []
     for kind in ("uniform", "mixed"):
         for b in args.batches:
             lengths = [args.prompt_len] * b if kind == "uniform" else mixed_lengths(b, lo, hi)
             step = {}
-            for attention in ("sdpa", "flex"):
+            for attention in ("sdpa", "flex", "triton"):
                 e = bench_engine(path, b, lengths, new, decode_attention=attention)
                 step[attention] = e["wall"] / new
             # The fused step's gain: flex again through the model's own modules.
@@ -421,6 +423,8 @@ def run_decode_flex(args: argparse.Namespace, path: str, floors: dict) -> list[d
                 "flex_ms_step": 1e3 * step["flex"],
                 "flex_tokens_per_s": b / step["flex"],
                 "flex_modules_ms_step": 1e3 * step["modules"],
+                "triton_ms_step": 1e3 * step["triton"],
+                "triton_tokens_per_s": b / step["triton"],
                 "own_floor_ms": 1e3 * own,
                 "padded_floor_ms": 1e3 * padded,
             }
@@ -428,7 +432,9 @@ def run_decode_flex(args: argparse.Namespace, path: str, floors: dict) -> list[d
             print(
                 f"| {kind} | {b} | {1e3 * step['sdpa']:.2f} | {1e3 * step['flex']:.2f} | "
                 f"{step['sdpa'] / step['flex']:.2f} | {b / step['flex']:,.0f} | {1e3 * own:.3f} | "
-                f"{1e3 * padded:.3f} | {own / step['flex']:.2f} | {1e3 * step['modules']:.2f} |",
+                f"{1e3 * padded:.3f} | {own / step['flex']:.2f} | {1e3 * step['modules']:.2f} | "
+                f"{1e3 * step['triton']:.2f} | {b / step['triton']:,.0f} | "
+                f"{own / step['triton']:.2f} |",
                 flush=True,
             )
     return out

@@ -280,13 +280,15 @@ class RolloutConfig:
         rule=positive(inf=True),
     )
     dtype: str = _f("auto", "inference weight dtype (auto, bfloat16, float16, float32)")
-    hf_decode_attention: Literal["auto", "sdpa", "flex"] = _f(
+    hf_decode_attention: Literal["auto", "sdpa", "flex", "triton"] = _f(
         "auto",
         "hf engine decode attention: sdpa reads every row's KV cache up to the batch's longest "
-        "row (additive mask); flex reads each row's own length (torch flex_attention with a "
-        "block mask, one CUDA graph per batch bucket); flex needs CUDA and torch.compile to be "
-        "fast (elsewhere torch's unfused reference; SDPA, with a warning, where it cannot "
-        "compile); auto is flex on CUDA, sdpa elsewhere",
+        "row (additive mask); flex and triton read each row's own length, one CUDA graph per "
+        "batch bucket: flex is torch flex_attention with a block mask, compiled once per batch "
+        "bucket (needs CUDA and torch.compile to be fast: elsewhere torch's unfused reference; "
+        "SDPA, with a warning, where it cannot compile); triton is arl's split-KV Triton "
+        "kernel, compiled once (CUDA only; flex, with a warning, where it fails); auto is "
+        "triton on CUDA, sdpa elsewhere",
     )
     hf_fused_decode: bool = _f(
         True,

@@ -1,5 +1,5 @@
 """The embedded hf engine on CUDA: log-probs against a teacher-forced pass, a 64-request batch,
-flex decode attention against SDPA."""
+the length-aware decode attentions (flex, triton) against SDPA."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def test_64_greedy_requests_match_argmax_cuda(tmp_path: Path) -> None:
         assert res.output_ids == teacher_forced(model, prompt, res.output_ids, 1.0)[1]
 
 
-@pytest.mark.parametrize("attention, widths", [("sdpa", 2), ("flex", 1)])
+@pytest.mark.parametrize("attention, widths", [("sdpa", 2), ("flex", 1), ("triton", 1)])
 def test_warm_up_captures_graphs_and_decodes_the_same_cuda(
     tmp_path: Path, attention: str, widths: int
 ) -> None:
@@ -132,7 +132,7 @@ def test_warm_up_captures_graphs_and_decodes_the_same_cuda(
     with HFEngine(path, decode_attention=attention, **kw) as engine:
         before = asyncio.run(engine.health())
         # rows 2..64 (6 buckets), 128, 192 and 200 (the cap); sdpa's widths 64 and 128, flex's
-        # one width (the cache's whole width)
+        # and triton's one width (the cache's whole width)
         assert before["decode_attention"] == attention
         assert len(buckets(200, row_bucket)) == 9
         assert before["decode_graphs"] == 9 * widths and before["warm_up_s"] > 0
@@ -202,13 +202,15 @@ def test_pause_in_place_keeps_graph_decoded_rows_across_a_weight_update_cuda(
         )
 
 
+@pytest.mark.parametrize("attention", ["flex", "triton"])
 @pytest.mark.parametrize("warm_up_len", [0, 400])
-def test_flex_decode_in_cuda_graphs_gives_sdpas_greedy_tokens_cuda(
-    tmp_path: Path, warm_up_len: int
+def test_length_aware_decode_in_cuda_graphs_gives_sdpas_greedy_tokens_cuda(
+    tmp_path: Path, warm_up_len: int, attention: str
 ) -> None:
-    """``decode_attention="flex"`` (compiled, replayed from CUDA graphs at the cache's whole
-    width) decodes the tokens and log-probs of SDPA for rows of lengths from 2 to ~340, some
-    admitted mid-decode; with a warm-up, one graph per row bucket and none captured later."""
+    """``decode_attention="flex"`` (compiled) and ``"triton"`` (the split-KV kernel), replayed
+    from CUDA graphs at the cache's whole width, decode the tokens and log-probs of SDPA for
+    rows of lengths from 2 to ~340, some admitted mid-decode; with a warm-up, one graph per row
+    bucket and none captured later."""
     vocab = 4096
     path = save_model(tmp_path / "m", vocab_size=vocab, **MEDIUM)
     gen = torch.Generator().manual_seed(8)
@@ -218,11 +220,11 @@ def test_flex_decode_in_cuda_graphs_gives_sdpas_greedy_tokens_cuda(
     kw = dict(device="cuda", dtype="float32", max_batch_size=48, warm_up_len=warm_up_len)
     with HFEngine(path, **kw) as engine:
         expected = asyncio.run(staggered(engine, prompts, sp))
-    with HFEngine(path, decode_attention="flex", **kw) as engine:
+    with HFEngine(path, decode_attention=attention, **kw) as engine:
         before = asyncio.run(engine.health())
         results = asyncio.run(staggered(engine, prompts, sp))
         after = asyncio.run(engine.health())
-    assert after["decode_attention"] == "flex"  # no silent fallback to SDPA
+    assert after["decode_attention"] == attention  # no silent fallback
     assert after["cuda_graphs"] and after["last_error"] is None
     if warm_up_len:
         assert before["decode_graphs"] == len(buckets(48, row_bucket))  # one width
@@ -232,7 +234,7 @@ def test_flex_decode_in_cuda_graphs_gives_sdpas_greedy_tokens_cuda(
         torch.testing.assert_close(res.logprobs, ref.logprobs, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("attention", ["flex", "sdpa"])
+@pytest.mark.parametrize("attention", ["triton", "flex", "sdpa"])
 def test_fused_decode_gives_the_modules_tokens_in_cuda_graphs_cuda(
     tmp_path: Path, attention: str
 ) -> None:
@@ -247,10 +249,13 @@ def test_fused_decode_gives_the_modules_tokens_in_cuda_graphs_cuda(
         expected = asyncio.run(staggered(engine, prompts, sp))
     with HFEngine(path, warm_up_len=200, **kw) as engine:
         results = asyncio.run(staggered(engine, prompts, sp))
+        # Which prefills the joiners share depends on timing: one prompt twice, one after the
+        # other, prefills one bucket twice, so the second replays its graph.
+        again = [asyncio.run(engine.agenerate(prompts[0], sp)) for _ in range(2)]
         health = asyncio.run(engine.health())
     assert health["fused_decode"] and health["cuda_graphs"] and health["last_error"] is None
-    assert health["prefill_replays"] > 0  # the joining rows' prefills replayed their graph
-    for res, ref in zip(results, expected, strict=True):
+    assert health["prefill_replays"] > 0
+    for res, ref in zip(results + again, expected + expected[:1] * 2, strict=True):
         assert res.output_ids == ref.output_ids
         torch.testing.assert_close(res.logprobs, ref.logprobs, atol=1e-4, rtol=0)
 

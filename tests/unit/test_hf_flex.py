@@ -22,6 +22,7 @@ from arl.engines.hf.flex import (
     flex_decode_attention,
 )
 from arl.engines.hf.kv_cache import SlotKVCache
+from arl.engines.hf.split_decode import splits_for
 from tests.support.tiny_model import make_tiny_model
 
 torch.set_num_threads(1)
@@ -178,6 +179,21 @@ def test_auto_decode_attention_is_sdpa_off_cuda(tiny: str) -> None:
         assert engine.decode_attention == "sdpa"
 
 
+def test_triton_decode_attention_off_cuda_is_refused_naming_the_choices(tiny: str) -> None:
+    with pytest.raises(ValueError, match=r"'triton' needs a CUDA device.*'auto', 'flex' or"):
+        HFEngine(tiny, decode_attention="triton")
+
+
+def test_split_decode_fills_the_gpu_and_never_splits_past_the_blocks() -> None:
+    """How many programs share a row's positions (`splits_for`): none while (row, KV head)
+    pairs fill the GPU, more for fewer rows, a power of two, at most one a 64-position block and
+    at most 8."""
+    assert splits_for(256, 3, 1088, 132) == 1  # 768 programs: four a multiprocessor
+    assert splits_for(48, 3, 1024, 132) == 4
+    assert splits_for(4, 2, 2048, 132) == 8  # 8 programs: split to the cap
+    assert splits_for(4, 2, 128, 132) == 2  # two blocks of positions, two splits
+
+
 def test_config_refuses_an_unknown_decode_attention() -> None:
     with pytest.raises(ConfigError, match="choose one of auto, sdpa, flex"):
         apply_overrides(Config(), ["rollout.hf_decode_attention=fast"])
@@ -185,7 +201,7 @@ def test_config_refuses_an_unknown_decode_attention() -> None:
     assert cfg.rollout.hf_decode_attention == "flex"
     cfg = Config()
     cfg.rollout.hf_decode_attention = "Flex"  # type: ignore[assignment]  # a recipe's typo
-    with pytest.raises(ConfigError, match="rollout.hf_decode_attention='Flex'.*auto, sdpa, flex"):
+    with pytest.raises(ConfigError, match="hf_decode_attention='Flex'.*auto, sdpa, flex, triton"):
         cfg.validate()
 
 

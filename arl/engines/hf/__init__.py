@@ -15,8 +15,9 @@ Greedy requests use ``T = temperature`` if it is positive, else 1.
 Decode attention (``decode_attention``): ``"sdpa"`` reads every row's KV cache up to the batch's
 longest row, bucketed, under the additive mask; ``"flex"`` (flex.py) runs torch's compiled
 ``flex_attention`` with a block mask built from each row's own length, so a step reads about the
-rows' own lengths; ``"auto"`` (the default) is flex on CUDA and sdpa elsewhere. Prefill takes
-SDPA either way.
+rows' own lengths; ``"triton"`` (split_decode.py) reads the same positions with one split-KV
+Triton kernel, compiled once for every batch bucket where flex compiles once per bucket;
+``"auto"`` (the default) is triton on CUDA and sdpa elsewhere. Prefill takes SDPA either way.
 
 Decode step (fused.py): for the Llama family (llama, mistral, qwen2, qwen3) a decode step runs as
 three fused functions per layer (``torch.compile``d on CUDA, with the batch dimension dynamic)

@@ -37,6 +37,7 @@ from arl.engines.hf.errors import (
 from arl.engines.hf.flex import (
     DECODE_ATTENTIONS,
     KV_BLOCK,
+    SplitAttend,
     compiled_flex_function,
     flex_decode,
     register_flex_attention,
@@ -54,6 +55,7 @@ from arl.engines.hf.graphs import (
 from arl.engines.hf.kv_cache import SlotKVCache
 from arl.engines.hf.request import Request, deliver, settle
 from arl.engines.hf.sampling import sample_rows
+from arl.engines.hf.split_decode import available as split_decode_available
 from arl.engines.hf.steps import Launched, StepOutputs, upload
 from arl.engines.hf.weights import checksum_named_tensors, is_adapter_folder, iter_weights_folder
 from arl.engines.lora import add_lora, is_lora_name, lora_enabled, lora_tensors
@@ -140,7 +142,8 @@ class HFEngine:
         if decode_attention not in DECODE_ATTENTIONS:
             raise ValueError(
                 "decode_attention must be 'sdpa' (the additive mask over the batch's longest row),"
-                " 'flex' (each row's own length; compiled on CUDA) or 'auto' (flex on CUDA, sdpa"
+                " 'flex' (each row's own length; compiled on CUDA), 'triton' (each row's own"
+                " length, one Triton kernel; CUDA only) or 'auto' (triton on CUDA, sdpa"
                 f" elsewhere), got {decode_attention!r}"
             )
         if warm_up_len < 0:
@@ -180,9 +183,18 @@ class HFEngine:
         # (its C++ kernel skips blocks too); else it runs torch's unfused reference. ``auto``
         # takes flex only where it is compiled on CUDA: the other two are slower than SDPA.
         flex_compiled = on_cuda if compile_blocks is None else compile_blocks
+        if decode_attention == "triton" and not split_decode_available(self.device):
+            raise ValueError(
+                f"decode_attention='triton' needs a CUDA device with Triton (device={device!r}"
+                f"{', ARL_SPLIT_DECODE=0' if on_cuda else ''}); use 'auto', 'flex' or 'sdpa'"
+            )
         if decode_attention == "auto":
-            decode_attention = "flex" if on_cuda and flex_compiled else "sdpa"
-        if decode_attention == "flex":  # prefill still takes SDPA through it
+            if on_cuda and flex_compiled:
+                decode_attention = "triton" if split_decode_available(self.device) else "flex"
+            else:
+                decode_attention = "sdpa"
+        length_aware = decode_attention in ("flex", "triton")
+        if length_aware:  # prefill still takes SDPA through it
             attention = register_flex_attention()
         else:
             attention = register_attention() if grouped_attention else "sdpa"
@@ -207,15 +219,19 @@ class HFEngine:
         self.compiled_blocks = compile_norm_and_mlp(self._model) if want and on_cuda else 0
         # None where compilation failed (warned): the engine decodes with SDPA.
         self._flex = None
-        if decode_attention == "flex":
+        if length_aware:
             # The probe compiles the shape the warm-up's first graph runs (the smallest row
             # bucket at the whole width), which that graph then reuses, rather than a shape no
             # step runs.
             width = KV_BLOCK
             if warm_up_len and self.cuda_graphs:
                 width = warm_up_width(max_batch_size, max_seq_len, warm_up_len)
-            self._flex = flex_decode(self._model, self.device, max_batch_size, flex_compiled, width)
-        self.decode_attention = "sdpa" if self._flex is None else "flex"
+            self._flex = flex_decode(
+                self._model, self.device, max_batch_size, flex_compiled, width, decode_attention
+            )
+        self.decode_attention = "sdpa"
+        if self._flex is not None:
+            self.decode_attention = "triton" if isinstance(self._flex[1], SplitAttend) else "flex"
         # Decode steps through fused per-layer functions (fused.py) where the model's family
         # allows; ``fused_decode=None`` takes them where it does, False keeps the model's modules.
         self._fused: FusedDecoder | None = None

@@ -33,11 +33,12 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from arl.engines.hf.attention import grouped_decode_attention
 from arl.engines.hf.graphs import row_bucket
 from arl.engines.hf.kv_cache import SlotKVCache
+from arl.engines.hf.split_decode import split_decode_attention
 from arl.precompile import first_line, precompiled
 
 logger = logging.getLogger(__name__)
 
-DECODE_ATTENTIONS = ("auto", "sdpa", "flex")
+DECODE_ATTENTIONS = ("auto", "sdpa", "flex", "triton")
 
 # KV positions per block: the FlexDecoding kernel's own tile (BLOCK_N = 64), so a row reads at
 # most 63 positions past its length and no tile is split between blocks.
@@ -168,6 +169,19 @@ def _eager_flex(
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, BlockMask, float], torch.Tensor]
 
 
+class SplitAttend:
+    """An `Attend` through `split_decode_attention`: reads the per-row lengths ``lens`` (the
+    mask's buffer) and ignores the block mask."""
+
+    def __init__(self, lens: torch.Tensor) -> None:
+        self.lens = lens
+
+    def __call__(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, _: Any, scale: float
+    ) -> torch.Tensor:
+        return split_decode_attention(query, key, value, self.lens, scale)
+
+
 def flex_decode_attention(
     module: Any,
     query: torch.Tensor,
@@ -225,10 +239,20 @@ def warm_up_width(max_rows: int, max_seq_len: int, length: int) -> int:
 
 
 def flex_decode(
-    model: Any, device: torch.device, max_rows: int, compiled: bool, width: int = KV_BLOCK
+    model: Any,
+    device: torch.device,
+    max_rows: int,
+    compiled: bool,
+    width: int = KV_BLOCK,
+    kernel: str = "flex",
 ) -> tuple[FlexDecodeMask, Attend] | None:
-    """The block-mask buffers and the attention call of a flex-decoding engine, or None (with a
+    """The block-mask buffers and the attention call of a length-aware engine, or None (with a
     warning) where the compiled kernel fails on this machine: the engine then keeps SDPA.
+
+    ``kernel="triton"`` attends with `arl.engines.hf.split_decode` (one Triton kernel for every
+    row bucket, reading the mask's per-row lengths) where it runs on this machine, and falls
+    back to compiled flex (with a warning) where it does not; ``"flex"`` with compiled
+    ``flex_attention``, one kernel per row bucket.
 
     ``compiled`` runs the attention of a decode step of the smallest row bucket at ``width`` KV
     positions now (on the returned mask: a step of that shape later reuses what this compiled),
@@ -242,11 +266,22 @@ def flex_decode(
         return mask, _eager_flex
     param = next(model.parameters())
     rows = row_bucket(1, max_rows)
+    mask.update(torch.full((rows,), KV_BLOCK // 2, device=device))
+    q = torch.zeros(rows, kv_heads, heads // kv_heads, dim, dtype=param.dtype, device=device)
+    # Keys and values apart, as a step passes them: aliased inputs compile separately.
+    k = torch.zeros(rows, kv_heads, width, dim, dtype=param.dtype, device=device)
+    if kernel == "triton":
+        try:
+            # Both variants a step may launch: one split a row, and several with their merge.
+            for splits in (1, 2):
+                split_decode_attention(q, k, torch.zeros_like(k), mask.lens, dim**-0.5, splits)
+            torch.cuda.synchronize(device)
+        except Exception as exc:  # noqa: BLE001 - any Triton failure: keep compiled flex
+            why = first_line(exc)
+            logger.warning("the Triton decode attention failed (%s); decoding with flex", why)
+        else:
+            return mask, SplitAttend(mask.lens)
     try:
-        mask.update(torch.full((rows,), KV_BLOCK // 2, device=device))
-        q = torch.zeros(rows, kv_heads, heads // kv_heads, dim, dtype=param.dtype, device=device)
-        # Keys and values apart, as a step passes them: aliased inputs compile separately.
-        k = torch.zeros(rows, kv_heads, width, dim, dtype=param.dtype, device=device)
         with torch.no_grad():
             _run_compiled(q, k, torch.zeros_like(k), mask.block_mask(rows, width), dim**-0.5)
     except Exception as exc:  # noqa: BLE001 - any compiler failure: keep SDPA
