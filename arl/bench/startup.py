@@ -169,7 +169,7 @@ _TABLE = [
     ("rollout setup: reward and workflow", "rollout_setup", "reward_s"),
     ("rollout setup: tokenizer", "rollout_setup", "tokenizer_s"),
     ("engine: load (transformers' model imports included)", "engine_ready", "load_s"),
-    ("engine: compile (norm/MLP blocks, flex)", "engine_ready", "compile_s"),
+    ("engine: compile (norm/MLP blocks, decode attention)", "engine_ready", "compile_s"),
     ("engine: decode graphs (warm-up)", "engine_ready", "graphs_s"),
     ("engine: compiled functions loaded from ARL_CACHE (count)", "engine_ready", "kept_loaded_n"),
     ("engine: compiled functions compiled into it (count)", "engine_ready", "kept_compiled_n"),

@@ -140,7 +140,7 @@ def test_the_tracked_figures_and_phases_come_from_the_metrics_and_the_log():
     assert out["arith.first_step_s_warm"] == 12.5
     assert out["arith.launch_to_exit_s_warm"] == 28.0
     table = report(cold, warm, floors)
-    assert "| engine: compile (norm/MLP blocks, flex) | 2.5 | 2.5 | - |" in table
+    assert "| engine: compile (norm/MLP blocks, decode attention) | 2.5 | 2.5 | - |" in table
     assert "| engine: compiled functions loaded from ARL_CACHE (count) | 14 | 14 | - |" in table
     assert "| first_step_s: launch to the end of step 1 | 20.0 | 12.5 | - |" in table
     assert "| train rank 0: load | 2.0 | 2.0 | 1.0 |" in table

@@ -155,7 +155,7 @@ class HFEngine:
                 f"model_path {model_path!r} is not a directory; resolve hub ids first with "
                 "arl.engines.model.resolve_model"
             )
-        use_compile_cache()  # before the blocks and flex attention compile
+        use_compile_cache()  # before the blocks and the decode attention compile
         t_start = time.perf_counter()
         defer_sklearn()  # before transformers' first import: ~1 s on the releases it applies to
         from transformers import AutoModelForCausalLM
@@ -180,8 +180,10 @@ class HFEngine:
         self.overlap = on_cuda if overlap is None else overlap
 
         # Flex is compiled on CUDA unless compile_blocks=False, and on CPU with compile_blocks=True
-        # (its C++ kernel skips blocks too); else it runs torch's unfused reference. ``auto``
-        # takes flex only where it is compiled on CUDA: the other two are slower than SDPA.
+        # (its C++ kernel skips blocks too); else it runs torch's unfused reference. The Triton
+        # kernel (split_decode.py) needs CUDA and compiles once, not per row bucket. ``auto``
+        # takes it where flex would be compiled on CUDA (flex where Triton is off): uncompiled
+        # flex and CPU flex are slower than SDPA.
         flex_compiled = on_cuda if compile_blocks is None else compile_blocks
         if decode_attention == "triton" and not split_decode_available(self.device):
             raise ValueError(
@@ -217,7 +219,8 @@ class HFEngine:
         # The whole model compiles too, but in minutes; these blocks compile in seconds.
         want = self.cuda_graphs if compile_blocks is None else compile_blocks
         self.compiled_blocks = compile_norm_and_mlp(self._model) if want and on_cuda else 0
-        # None where compilation failed (warned): the engine decodes with SDPA.
+        # (mask, attend) of the length-aware attentions; None where flex failed to compile
+        # (warned): the engine decodes with SDPA.
         self._flex = None
         if length_aware:
             # The probe compiles the shape the warm-up's first graph runs (the smallest row
@@ -1159,10 +1162,11 @@ class HFEngine:
             width = width_bucket(kv_len, self.max_seq_len)
             self._cache.reserve(rows, width)
         else:
-            # Flex skips the blocks past each row's length, so a wider step costs (almost)
-            # nothing: steps run at the cache's whole width, one graph per row bucket instead
-            # of one per (rows, width), and a longer row captures nothing until the cache
-            # grows. Compiled flex also needs a fixed batch size, hence the buckets off graphs.
+            # Flex and the Triton kernel skip the positions past each row's length, so a wider
+            # step costs (almost) nothing: steps run at the cache's whole width, one graph per
+            # row bucket instead of one per (rows, width), and a longer row captures nothing
+            # until the cache grows. Compiled flex also needs a fixed batch size, hence the
+            # buckets off graphs.
             self._cache.reserve(rows, kv_len)
             width = self._cache.seq_capacity
         if rows > n:

@@ -254,16 +254,13 @@ def flex_decode(
     back to compiled flex (with a warning) where it does not; ``"flex"`` with compiled
     ``flex_attention``, one kernel per row bucket.
 
-    ``compiled`` runs the attention of a decode step of the smallest row bucket at ``width`` KV
-    positions now (on the returned mask: a step of that shape later reuses what this compiled),
-    so that a machine without Triton or a C++ compiler falls back here rather than a generation
-    step later.
+    The Triton kernel, and flex where ``compiled``, run the attention of a decode step of the
+    smallest row bucket at ``width`` KV positions now (on the returned mask: a step of that shape
+    later reuses what this compiled), so that a machine without Triton or a C++ compiler falls
+    back here rather than a generation step later. Uncompiled flex is torch's reference.
     """
     heads, kv_heads, dim = head_shape(model.config)
     mask = FlexDecodeMask(max_rows, heads // kv_heads, device)
-    if not compiled:
-        logger.info("flex decode attention uncompiled: torch's reference reads every position")
-        return mask, _eager_flex
     param = next(model.parameters())
     rows = row_bucket(1, max_rows)
     mask.update(torch.full((rows,), KV_BLOCK // 2, device=device))
@@ -276,11 +273,14 @@ def flex_decode(
             for splits in (1, 2):
                 split_decode_attention(q, k, torch.zeros_like(k), mask.lens, dim**-0.5, splits)
             torch.cuda.synchronize(device)
-        except Exception as exc:  # noqa: BLE001 - any Triton failure: keep compiled flex
+        except Exception as exc:  # noqa: BLE001 - any Triton failure: keep flex
             why = first_line(exc)
             logger.warning("the Triton decode attention failed (%s); decoding with flex", why)
         else:
             return mask, SplitAttend(mask.lens)
+    if not compiled:
+        logger.info("flex decode attention uncompiled: torch's reference reads every position")
+        return mask, _eager_flex
     try:
         with torch.no_grad():
             _run_compiled(q, k, torch.zeros_like(k), mask.block_mask(rows, width), dim**-0.5)

@@ -12,7 +12,7 @@ functions per layer that ``torch.compile`` fuses (on CUDA):
   together, the Qwen3 q/k norms, the rotary embedding and the write of the new keys and values
   into the layer's KV cache (one store inside the kernel that computes them, in place: the
   layer's cache is a contiguous ``[2, rows, kv_heads, positions, dim]`` buffer);
-- the attention, which stays the engine's (flex or SDPA);
+- the attention, which stays the engine's (triton, flex or SDPA);
 - ``attn_out``: the output projection, the residual add, RMSNorm, one projection for the MLP's
   gate and up halves, SiLU-and-multiply, and the down projection (its residual add is the next
   layer's, or the final norm's).

@@ -1,6 +1,7 @@
 """CUDA graphs of the hf engine's decode step, one per (batch bucket, KV-length bucket); with
-flex decode attention the width is the cache's whole width, so one per batch bucket. And
-`PrefillGraphs`: its prefills through the fused functions, one per (rows, width) bucket.
+length-aware decode attention (flex, triton) the width is the cache's whole width, so one per
+batch bucket. And `PrefillGraphs`: its prefills through the fused functions, one per (rows,
+width) bucket.
 
 Per-step host overhead, not the GPU, bounds an eager decode step of a small model, so on CUDA
 the step is replayed from a captured graph. Graphs read the KV cache's buffers by address:
