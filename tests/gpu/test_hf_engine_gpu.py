@@ -234,6 +234,26 @@ def test_length_aware_decode_in_cuda_graphs_gives_sdpas_greedy_tokens_cuda(
         torch.testing.assert_close(res.logprobs, ref.logprobs, atol=1e-4, rtol=0)
 
 
+def test_triton_decode_attention_needs_no_compiled_blocks_cuda(tmp_path: Path) -> None:
+    """``decode_attention="triton"`` with ``compile_blocks=False`` (nothing torch.compiled)
+    still decodes with the Triton kernel, from CUDA graphs, SDPA's greedy tokens."""
+    vocab = 4096
+    path = save_model(tmp_path / "m", vocab_size=vocab, **MEDIUM)
+    prompts = random_prompts(12, vocab, seed=11)
+    sp = SamplingParams(max_new_tokens=24, greedy=True)
+    kw = dict(device="cuda", dtype="float32", max_batch_size=16, compile_blocks=False)
+    with HFEngine(path, decode_attention="sdpa", **kw) as engine:
+        expected = asyncio.run(staggered(engine, prompts, sp))
+    with HFEngine(path, decode_attention="triton", **kw) as engine:
+        results = asyncio.run(staggered(engine, prompts, sp))
+        health = asyncio.run(engine.health())
+    assert health["decode_attention"] == "triton" and health["cuda_graphs"]
+    assert health["last_error"] is None
+    for res, ref in zip(results, expected, strict=True):
+        assert res.output_ids == ref.output_ids
+        torch.testing.assert_close(res.logprobs, ref.logprobs, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("attention", ["triton", "flex", "sdpa"])
 def test_fused_decode_gives_the_modules_tokens_in_cuda_graphs_cuda(
     tmp_path: Path, attention: str

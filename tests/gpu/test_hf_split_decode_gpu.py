@@ -37,7 +37,13 @@ def cache(rows: int, kv_heads: int, width: int, dim: int, dtype) -> tuple[torch.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "rows, kv_heads, group, dim, width",
-    [(5, 3, 3, 64, 320), (3, 2, 6, 128, 256), (7, 4, 1, 80, 192), (2, 2, 16, 64, 640)],
+    [
+        (5, 3, 3, 64, 320),
+        (3, 2, 6, 128, 256),
+        (7, 4, 1, 80, 192),
+        (2, 2, 16, 64, 640),
+        (3, 1, 32, 128, 256),  # one KV head for 32 query heads
+    ],
 )
 @pytest.mark.parametrize("splits", [None, 1, 3, 8])
 def test_split_decode_attends_to_each_rows_own_length(
