@@ -34,14 +34,19 @@ except ImportError:  # pragma: no cover - CPU builds
 ENV = "ARL_HF_KERNELS"
 
 
-def available(device: torch.device | str) -> bool:
-    """Whether the kernels can run on ``device``: a CUDA device, Triton importable, and
-    ``ARL_HF_KERNELS`` not ``0``."""
+def triton_on(device: torch.device | str, env: str) -> bool:
+    """Whether Triton kernels can run on ``device``: a CUDA device, Triton importable, and the
+    environment variable ``env`` (the kernels' off switch) not ``0``."""
     return (
         triton is not None
         and torch.device(device).type == "cuda"
-        and os.environ.get(ENV, "1") != "0"
+        and os.environ.get(env, "1") != "0"
     )
+
+
+def available(device: torch.device | str) -> bool:
+    """Whether these kernels run on ``device`` (`triton_on`, ``ARL_HF_KERNELS``)."""
+    return triton_on(device, ENV)
 
 
 if triton is not None:

@@ -25,16 +25,10 @@ nvcc build at first use); docs/results.md has the smaller batches.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-try:  # Triton comes with CUDA builds of torch; a CPU build has none
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - CPU builds
-    triton = None
-    tl = None
+from arl.engines.hf.kernels import tl, triton, triton_on
 
 # Set to 0 to keep compiled flex attention on CUDA (to compare, or to rule this kernel out).
 ENV = "ARL_SPLIT_DECODE"
@@ -46,13 +40,9 @@ _MAX_SPLITS = 8
 
 
 def available(device: torch.device | str) -> bool:
-    """Whether the kernel can run on ``device``: a CUDA device, Triton importable, and
-    ``ARL_SPLIT_DECODE`` not ``0``."""
-    return (
-        triton is not None
-        and torch.device(device).type == "cuda"
-        and os.environ.get(ENV, "1") != "0"
-    )
+    """Whether the kernel runs on ``device`` (`arl.engines.hf.kernels.triton_on`,
+    ``ARL_SPLIT_DECODE``)."""
+    return triton_on(device, ENV)
 
 
 if triton is not None:
