@@ -191,6 +191,12 @@ class FSDPEngine:
         self._sources: list[tuple[str, torch.Tensor]] | None = None
         self._sources_key: list[tuple[int, int]] = []
         self.prime_s = self.warm_up_s = 0.0
+        # Whether any pass runs without gradients: the proximal log-probs' pass (unless the
+        # update's own forward gives them) or the reference's. Without one, priming compiles
+        # and warms only the passes with gradients (a compiled function per grad mode).
+        self._no_grad_passes = (cfg.use_decoupled_loss and not cfg.prox_in_update()) or (
+            cfg.kl_ctl > 0
+        )
         # Summed over a mini-batch's micro-batches, and the loss's token count: tensors that
         # stay where they are, so captured passes (`graphs`) add into and read the same ones.
         self._stats = StatSums(self.device)
@@ -241,8 +247,9 @@ class FSDPEngine:
         return MicroBatchGraphs(self.device, cap)
 
     def prime(self) -> float:
-        """On CUDA, forwards with backward and without on two small packed batches of different
-        shapes, gradients dropped: the first passes' one-time costs that do not grow with the
+        """On CUDA, forwards with backward (and without, where the run makes such passes: the
+        proximal or reference log-probs') on two small packed batches of different shapes,
+        gradients dropped: the first passes' one-time costs that do not grow with the
         batch (kernel selection, the log-prob head's compilation, and with ``actor.compile`` the
         layers'; the second shape makes compiled code dynamic in every size that changes between
         steps: the token count, the longest sequence). It runs when the rank is built, while the
@@ -282,12 +289,12 @@ class FSDPEngine:
         """The first large pass's one-time costs, which the trainer overlaps with the first
         rollout: compiled code may be specialised on a size range (measured: inductor fused
         SmolLM2's layer for tokens x hidden < 5 Mi elements, ~9k tokens), and the allocator
-        grows to a large micro-batch's size. On CUDA, a forward with backward and one without on
-        a batch of up to 16k tokens (within the micro-batch budget and half the free memory, the
-        same on every rank), so the first real step neither compiles nor grows again; its memory
-        is handed back to the device afterwards (an engine may share it). `prime` paid the small
-        passes' costs when the rank was built. Collective; returns the seconds it took
-        (``warm_up_s``).
+        grows to a large micro-batch's size. On CUDA, a forward with backward (and one without,
+        as `prime`) on a batch of up to 16k tokens (within the micro-batch budget and half the
+        free memory, the same on every rank), so the first real step neither compiles nor grows
+        again; its memory is handed back to the device afterwards (an engine may share it).
+        `prime` paid the small passes' costs when the rank was built. Collective; returns the
+        seconds it took (``warm_up_s``).
 
         Off CUDA one tiny pass runs: larger ones would only be compute taken from the first
         rollout's cores (on two cores they outlasted it)."""
@@ -309,13 +316,15 @@ class FSDPEngine:
         return self.warm_up_s
 
     def _passes(self, shapes: list[list[int]]) -> None:
-        """A forward with backward and one without per batch of rows of ``shapes``' lengths,
-        gradients dropped; on CUDA the memory they took goes back to the device."""
+        """A forward with backward, and one without where the run makes such passes, per batch
+        of rows of ``shapes``' lengths, gradients dropped; on CUDA the memory they took goes
+        back to the device."""
+        modes = (True, False) if self._no_grad_passes else (True,)
         for shape in shapes:
             lens = torch.tensor(shape, device=self.device)
             am = torch.arange(int(lens.max()), device=self.device)[None] < lens[:, None]
             ids = torch.ones_like(am, dtype=torch.long) * am
-            for grad in (True, False):
+            for grad in modes:
                 with torch.set_grad_enabled(grad):
                     logp, _ = forward_logp(
                         self.forward_model, ids, am, self.cfg.temperature, self.layout, shape

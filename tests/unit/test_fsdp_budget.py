@@ -63,21 +63,37 @@ def test_layout_resolution():
         resolve_layout("dense", torch.device("cpu"))
 
 
-def test_cpu_warm_up_runs_one_tiny_pass_and_leaves_no_gradients(model_dir):
+@pytest.mark.parametrize(
+    ("overrides", "modes"),
+    [
+        ({}, [True]),  # the update's forward gives the proximal log-probs: no pass without grad
+        ({"prox_logp": "pass"}, [True, False]),
+        ({"kl_ctl": 0.1}, [True, False]),  # the reference's log-probs: a pass without grad
+    ],
+)
+def test_cpu_warm_up_runs_one_tiny_pass_and_leaves_no_gradients(model_dir, overrides, modes):
     eng = FSDPEngine(
-        ActorConfig(path=model_dir), rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_port()}"
+        ActorConfig(path=model_dir, **overrides),
+        rank=0,
+        world_size=1,
+        init_method=f"tcp://127.0.0.1:{_port()}",
     )
-    tokens: list[int] = []
+    passes: list[tuple[int, bool]] = []
     hook = eng.model.register_forward_pre_hook(
-        lambda _m, args, kwargs: tokens.append(kwargs["input_ids"].numel()), with_kwargs=True
+        lambda _m, args, kwargs: passes.append(
+            (kwargs["input_ids"].numel(), torch.is_grad_enabled())
+        ),
+        with_kwargs=True,
     )
     try:
         before = [full_tensor(p.detach()).clone() for p in eng.model.parameters()]
         assert eng.prime_s == 0.0  # nothing to prime on CPU: no passes when it was built
         assert eng.warm_up() == eng.warm_up_s > 0
         # Nothing compiles on CPU: the warm-up's passes are only compute that the first rollout
-        # would lose, so they are one tiny batch (with and without backward), not real shapes.
-        assert len(tokens) == 2 and sum(tokens) <= 16
+        # would lose, so they are one tiny batch (with backward, and without it only where the
+        # run makes such passes), not real shapes.
+        assert [grad for _, grad in passes] == modes
+        assert sum(n for n, _ in passes) <= 8 * len(modes)
         assert all(p.grad is None for p in eng.model.parameters())
         after = [full_tensor(p.detach()) for p in eng.model.parameters()]
         assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
