@@ -32,7 +32,7 @@ from arl.protocol.report import (
     ReportError,
     Trajectory,
 )
-from arl.transformers_imports import defer_sklearn
+from arl.transformers_imports import prepare_transformers_import
 from arl.workflows.base import EpisodeRejected
 
 log = logging.getLogger("arl.rollout")
@@ -131,7 +131,7 @@ class RolloutWorker(UsesNode):
             # Imports (transformers, torch) and model loading take seconds: never on the loop,
             # or the node's heartbeats stall and the controller declares it lost.
             t = [time.perf_counter()]  # each phase's end, for the log line below
-            defer_sklearn()  # before transformers' first import: ~1 s where it applies
+            prepare_transformers_import()  # before transformers' first import (1-3 s, 5.x)
             from transformers import AutoTokenizer
 
             t.append(time.perf_counter())

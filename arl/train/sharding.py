@@ -19,7 +19,7 @@ from arl.train.logp import ChunkedLogpHead, chunk_kernels, register_varlen, tran
 from arl.train.lora import compute_adapters_in, inject_adapters
 from arl.train.master import MasterWeights
 from arl.train.offload import HostMasterWeights
-from arl.transformers_imports import defer_sklearn
+from arl.transformers_imports import prepare_transformers_import
 
 
 def compute_dtype(cfg: ActorConfig, device: torch.device) -> torch.dtype:
@@ -67,7 +67,7 @@ def load_sharded(
     layers; one rank keeps no master copy (``forward`` is ``model``) and runs the adapters in
     ``compute_dtype`` itself.
     """
-    defer_sklearn()  # before transformers' first import: ~1 s where it applies
+    prepare_transformers_import()  # before transformers' first import (1-3 s, 5.x)
     from transformers import AutoModelForCausalLM
 
     from arl.engines.model import resolve_model

@@ -148,3 +148,66 @@ def test_a_module_that_fails_to_import_changes_nothing(tmp_path: Path) -> None:
         tmp_path,
     )
     assert out == "False True False"
+
+
+def _with_distributions(root: Path) -> None:
+    """The fake transformers' utilities take the mapping at import, as 5.x up to 5.2x do; one
+    installed distribution, ``demo``."""
+    _packages(root)
+    utils = root / "transformers/utils/__init__.py"
+    utils.write_text(
+        utils.read_text() + "\nimport importlib.metadata\n"
+        "MAPPING = importlib.metadata.packages_distributions()\n"
+    )
+    meta = root / "demo-1.0.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: demo\nVersion: 1.0\n")
+    (meta / "top_level.txt").write_text("demo\n")
+
+
+def test_transformers_utilities_import_with_the_distributions_kept_in_the_cache(
+    tmp_path: Path, monkeypatch
+) -> None:
+    _with_distributions(tmp_path / "pkgs")
+    monkeypatch.setenv("ARL_CACHE", str(tmp_path / "cache"))
+    first = _run(
+        """
+        import importlib.metadata as m
+        original = m.packages_distributions
+        from arl.transformers_imports import cached_distributions
+        assert cached_distributions() is True
+        import transformers.utils as u
+        assert m.packages_distributions is original  # put back
+        assert u.MAPPING == original(), (u.MAPPING, original())
+        print(u.MAPPING["demo"], cached_distributions())
+        """,
+        tmp_path / "pkgs",
+    )
+    assert first == "['demo'] False"
+    assert len(list((tmp_path / "cache" / "python").glob("distributions-*.json"))) == 1
+    # A later process reads the mapping back: the scan would fail here.
+    later = _run(
+        """
+        import importlib.metadata as m
+        def scan():
+            raise AssertionError("scanned again")
+        m.packages_distributions = scan
+        from arl.transformers_imports import cached_distributions
+        assert cached_distributions() is True
+        import transformers.utils as u
+        print(u.MAPPING["demo"], m.packages_distributions is scan)
+        """,
+        tmp_path / "pkgs",
+    )
+    assert later == "['demo'] True"
+
+
+def test_the_key_follows_the_installed_distributions(tmp_path: Path, monkeypatch) -> None:
+    from arl.transformers_imports import environment_key
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = environment_key()
+    (tmp_path / "notes.txt").write_text("not a distribution")
+    assert environment_key() == before
+    (tmp_path / "other-2.0.dist-info").mkdir()
+    assert environment_key() != before

@@ -61,7 +61,7 @@ from arl.engines.hf.weights import checksum_named_tensors, is_adapter_folder, it
 from arl.engines.lora import add_lora, is_lora_name, lora_enabled, lora_tensors
 from arl.engines.spec import TRAITS
 from arl.precompile import kept_counts, kept_note
-from arl.transformers_imports import defer_sklearn
+from arl.transformers_imports import prepare_transformers_import
 
 if TYPE_CHECKING:
     from arl.engines.spec import EngineSpec
@@ -157,7 +157,7 @@ class HFEngine:
             )
         use_compile_cache()  # before the blocks and the decode attention compile
         t_start = time.perf_counter()
-        defer_sklearn()  # before transformers' first import: ~1 s on the releases it applies to
+        prepare_transformers_import()  # before transformers' first import (1-3 s, 5.x)
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
