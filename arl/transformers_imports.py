@@ -23,14 +23,17 @@ import (the rollout node's setup, the hf engine's load, the train rank's model l
 Up to 5.2x as well, ``transformers.utils.import_utils`` calls
 ``importlib.metadata.packages_distributions()`` when it is imported: for each installed
 distribution without a ``top_level.txt`` (most wheels built by modern backends, torch among
-them) it reads the ``RECORD`` and stats every file it lists. Measured on the H100 machine
-(transformers 5.17, Python 3.12): 1.8 s of the train rank's 3.5 s model load, 27k ``stat``
-calls, paid again by every arl process that imports transformers. Later releases call it
-lazily, after trying the import name. `cached_distributions` computes the mapping once per
-environment and keeps it under ``ARL_CACHE`` (``python/distributions-<key>.json``), keyed by
-the Python version and the distributions' metadata folders on each ``sys.path`` entry (which
-installing, upgrading or removing a package changes); while transformers' utilities are first
-imported, ``packages_distributions`` answers from it, then the original is put back.
+them) it reads the ``RECORD`` and stats every file it lists: on the H100 machine (transformers
+5.17, Python 3.12, 78 such distributions) 27k ``stat`` calls in every arl process that imports
+transformers. Timed there on a fresh machine, ``from transformers import AutoModelForCausalLM,
+AutoTokenizer`` took 8.8 s plain, 8.2 s computing and keeping the mapping, 7.4 s reading it
+back; in warm start-ups 0.2-0.3 s of the train rank's load and of the rollout node's imports.
+Later releases call it lazily, after trying the import name. `cached_distributions` computes the
+mapping once per environment and keeps it under ``ARL_CACHE``
+(``python/distributions-<key>.json``), keyed by the Python version and the distributions'
+metadata folders on each ``sys.path`` entry (which installing, upgrading or removing a package
+changes); while transformers' utilities are first imported, ``packages_distributions`` answers
+from it, then the original is put back.
 """
 
 from __future__ import annotations

@@ -131,7 +131,7 @@ class RolloutWorker(UsesNode):
             # Imports (transformers, torch) and model loading take seconds: never on the loop,
             # or the node's heartbeats stall and the controller declares it lost.
             t = [time.perf_counter()]  # each phase's end, for the log line below
-            prepare_transformers_import()  # before transformers' first import (1-3 s, 5.x)
+            prepare_transformers_import()  # before transformers' first import
             from transformers import AutoTokenizer
 
             t.append(time.perf_counter())

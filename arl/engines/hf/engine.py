@@ -157,7 +157,7 @@ class HFEngine:
             )
         use_compile_cache()  # before the blocks and the decode attention compile
         t_start = time.perf_counter()
-        prepare_transformers_import()  # before transformers' first import (1-3 s, 5.x)
+        prepare_transformers_import()  # before transformers' first import
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
