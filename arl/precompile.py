@@ -18,9 +18,9 @@ the source file that defines ``fn`` (and any file named in ``also``), every sour
 (what ``fn`` may call of it: an attention function, LoRA adapters), the values of ``fn``'s
 closure (model constants such as head counts and the norm's epsilon, baked into the artifact;
 a decorator's wrapped function by its name and source file), the torch, transformers and
-Python versions and ``dynamic``; the device (the CUDA capability and Triton's version, or the
-CPU's vector ISA) and the grad mode an entry was compiled under are in its file's name and
-checked first.
+Python versions, ``dynamic`` and inductor ``options``; the device (the CUDA capability and
+Triton's version, or the CPU's vector ISA) and the grad mode an entry was compiled under are in
+its file's name and checked first.
 
 Calls under ``torch.inference_mode`` compile plainly: an entry loaded back and run in that mode
 loses its in-place updates of inputs (torch 2.13), so none is used or kept there.
@@ -86,17 +86,25 @@ def precompiled(
     also: Iterable[str | Path] = (),
     max_compiled: int = 8,
     cache_dir: str | None = None,
+    options: dict[str, Any] | None = None,
 ) -> Callable:
-    """``torch.compile(fn, dynamic=dynamic)``, with what it compiles kept under ``ARL_CACHE`` (the
-    module docstring); plain ``torch.compile`` where that is off. ``name`` names the entries'
-    files; ``also``: further source files whose code the compiled function runs (the key hashes
-    them with ``fn``'s own); ``max_compiled``: entries one process may compile (dynamo's own
-    recompile limit is 8) before it compiles plainly instead (a guard that fails on every new
-    call would otherwise compile on every call)."""
+    """``torch.compile(fn, dynamic=dynamic, options=options)``, with what it compiles kept under
+    ``ARL_CACHE`` (the module docstring); plain ``torch.compile`` where that is off. ``name``
+    names the entries' files; ``also``: further source files whose code the compiled function
+    runs (the key hashes them with ``fn``'s own); ``max_compiled``: entries one process may
+    compile (dynamo's own recompile limit is 8) before it compiles plainly instead (a guard that
+    fails on every new call would otherwise compile on every call); ``options``: inductor
+    settings for this function alone (in the key)."""
     if not enabled():
-        return torch.compile(fn, dynamic=dynamic)
+        return torch.compile(fn, dynamic=dynamic, options=options)
     return Precompiled(
-        fn, name=name, dynamic=dynamic, also=also, max_compiled=max_compiled, cache_dir=cache_dir
+        fn,
+        name=name,
+        dynamic=dynamic,
+        also=also,
+        max_compiled=max_compiled,
+        cache_dir=cache_dir,
+        options=options,
     )
 
 
@@ -113,10 +121,12 @@ class Precompiled:
         also: Iterable[str | Path] = (),
         max_compiled: int = 8,
         cache_dir: str | None = None,
+        options: dict[str, Any] | None = None,
     ) -> None:
         if not name or any(c in name for c in "/\\-") or name.startswith("."):
             raise ValueError(f"name {name!r}: use letters, digits, dots and underscores")
         self.fn, self.name, self.dynamic = fn, name, dynamic
+        self.options = dict(options or {})
         self.max_compiled = max_compiled
         functools.update_wrapper(self, fn)  # a function's name and signature, as torch.compile's
         self._also = tuple(Path(p) for p in also)
@@ -136,7 +146,7 @@ class Precompiled:
             # An entry loaded back and run under inference mode loses its in-place updates of
             # inputs (torch 2.13: a KV cache write): such calls compile plainly.
             if self._inference is None:
-                self._inference = torch.compile(self.fn, dynamic=self.dynamic)
+                self._inference = self._compile_plainly()
             return self._inference(*args, **kwargs)
         if self._plain is None:
             entry = self._find(args, kwargs)
@@ -165,6 +175,7 @@ class Precompiled:
             parts = {
                 "name": self.name,
                 "dynamic": self.dynamic,
+                "options": sorted(self.options.items()),
                 "qualname": getattr(self.fn, "__qualname__", repr(self.fn)),
                 "sources": [_file_hash(p) for p in (_source_file(self.fn), *self._also)],
                 "closure": _closure_values(self.fn),
@@ -206,7 +217,7 @@ class Precompiled:
         if self._dir.is_dir():
             _prune_stale(self._dir, self.name, self.key())
             if (self._dir / f"{stem}.off").exists():  # an earlier run found this path failing
-                self._plain = torch.compile(self.fn, dynamic=self.dynamic)
+                self._plain = self._compile_plainly()
                 return None
             files = sorted(self._dir.glob(f"{stem}{tag}-g*.bin"), key=lambda p: p.stat().st_mtime)
             if files:
@@ -240,7 +251,9 @@ class Precompiled:
         # torch 2.11, on in 2.13).
         aot = {"enable_aot_compile": True} if hasattr(dynamo_config, "enable_aot_compile") else {}
         with dynamo_config.patch(aot):
-            compiler = torch.compile(self.fn, fullgraph=True, dynamic=self.dynamic)
+            compiler = torch.compile(
+                self.fn, fullgraph=True, dynamic=self.dynamic, options=self.options or None
+            )
 
         # Floats as constants (guarded): tracing them as tensors restarts the trace, which
         # aot_compile cannot (TensorifyScalarRestartAnalysis).
@@ -280,8 +293,11 @@ class Precompiled:
 
     def _give_up(self, why: str) -> None:
         """Compile plainly from here on; the first plain call that works warns (`_warn`)."""
-        self._plain = torch.compile(self.fn, dynamic=self.dynamic)
+        self._plain = self._compile_plainly()
         self._why = why
+
+    def _compile_plainly(self) -> Callable:
+        return torch.compile(self.fn, dynamic=self.dynamic, options=self.options or None)
 
     def _warn(self, why: str, *, mark: bool) -> None:
         """One warning; with ``mark``, write ``<name>-<key>.off`` so later runs do not retry."""

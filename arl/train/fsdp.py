@@ -287,15 +287,15 @@ class FSDPEngine:
 
     def warm_up(self) -> float:
         """The first large pass's one-time costs, which the trainer overlaps with the first
-        rollout: compiled code may be specialised on a size range (measured: inductor's
-        mix-order reduction of RMSNorm's backward applies from 5 Mi elements, a guard on the
-        token count, so SmolLM2's layers compile again above ~9k tokens), and the allocator
-        grows to a large micro-batch's size. On CUDA, a forward with backward (and one without,
-        as `prime`) on a batch of up to 16k tokens (within the micro-batch budget and half the
-        free memory, the same on every rank), so the first real step neither compiles nor grows
-        again; its memory is handed back to the device afterwards (an engine may share it).
-        `prime` paid the small passes' costs when the rank was built. Collective; returns the
-        seconds it took (``warm_up_s``).
+        rollout: kernel selection at a large size, compiled code specialised on a size range
+        where something still specialises it (the layers' mix-order reduction no longer does:
+        `layer_compile_options`), and the allocator growing to a large micro-batch's size. On
+        CUDA, a forward with backward (and one without where `prime` runs one) on a batch of
+        up to 16k tokens (within the micro-batch budget and half the free memory, the same on
+        every rank), so the first real step neither compiles nor grows again; its memory is
+        handed back to the device afterwards (an engine may share it). `prime` paid the small
+        passes' costs when the rank was built. Collective; returns the seconds it took
+        (``warm_up_s``).
 
         Off CUDA one tiny pass runs: larger ones would only be compute taken from the first
         rollout's cores (on two cores they outlasted it)."""

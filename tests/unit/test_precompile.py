@@ -159,6 +159,32 @@ def test_a_closure_constant_is_in_the_key(fns, tmp_path: Path) -> None:
     assert len(_files(tmp_path)) == 2
 
 
+def test_inductor_options_are_in_the_key_and_reach_the_compiler(
+    fns, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Options change the compiled code: another setting must not reuse an entry, and the
+    compiler is asked with them, on this path and where it compiles plainly."""
+    opts = {"triton.mix_order_reduction_non_strict_mode": True}
+    plain = Precompiled(fns.cosine, name="t.cos", dynamic=True, cache_dir=str(tmp_path))
+    tuned = Precompiled(
+        fns.cosine, name="t.cos", dynamic=True, cache_dir=str(tmp_path), options=opts
+    )
+    assert plain.key() != tuned.key()
+    asked: list[dict | None] = []
+    compile_ = torch.compile
+
+    def spy(fn, **kwargs):
+        asked.append(kwargs.get("options"))
+        return compile_(fn, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", spy)
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(torch.ones(3)), torch.ones(3).cos())
+    monkeypatch.setenv("ARL_PRECOMPILE", "0")
+    precompiled(fns.cosine, name="t.cos", dynamic=True, options=opts)
+    assert asked == [opts, opts]
+
+
 def test_editing_the_source_file_changes_the_key(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     one = _module(tmp_path / "a")
