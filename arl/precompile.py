@@ -22,6 +22,13 @@ Python versions, ``dynamic`` and inductor ``options``; the device (the CUDA capa
 Triton's version, or the CPU's vector ISA) and the grad mode an entry was compiled under are in
 its file's name and checked first.
 
+A loaded entry loads its kernels, and runs its first call, with inductor's ``compile_threads``
+at 1: its kernels are already built (Triton's cache), and merely asking whether inductor's
+compile pool is ready starts that pool, a process importing torch on several cores for
+seconds (measured on an H200 machine: the train rank's first steps after a warm start ran 2-3x
+slower, its host-side tensor work 10x, while it started). A process that compiles keeps the
+pool.
+
 Calls under ``torch.inference_mode`` compile plainly: an entry loaded back and run in that mode
 loses its in-place updates of inputs (torch 2.13), so none is used or kept there.
 
@@ -224,7 +231,7 @@ class Precompiled:
                 _name_local_classes(args, kwargs)  # as they were named when compiled
             for path in files:
                 try:
-                    loaded.append((_grad_mode(path), _load_entry(path, self.fn)))
+                    loaded.append((_grad_mode(path), _Loaded(_load_entry(path, self.fn))))
                 except Exception as exc:  # noqa: BLE001 - a torch that cannot load its own entry
                     self._give_up(f"its entry {path.name} does not load ({first_line(exc, 200)})")
                     return None
@@ -362,12 +369,41 @@ def _accepts(entry: Any, args: tuple, kwargs: dict) -> bool:
         return False
 
 
+class _Loaded:
+    """An entry loaded from disk: its first call (where inductor may load its kernels) runs with
+    `_kernels_in_process`; every later call is the entry's own."""
+
+    __slots__ = ("entry", "ran")
+
+    def __init__(self, entry: Any) -> None:
+        self.entry, self.ran = entry, False
+
+    def guard_check(self, *args: Any, **kwargs: Any) -> Any:
+        return self.entry.guard_check(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.ran:
+            return self.entry(*args, **kwargs)
+        with _kernels_in_process():
+            out = self.entry(*args, **kwargs)
+        self.ran = True
+        return out
+
+
+def _kernels_in_process() -> contextlib.AbstractContextManager:
+    """inductor's ``compile_threads`` at 1 (the module docstring: a loaded entry's kernels are
+    built, and checking whether the compile pool is ready would start it)."""
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(compile_threads=1)
+
+
 def _load_entry(path: Path, fn: Callable) -> Any:
     from torch._guards import TracingContext, tracing
 
     # Unpickling some guard sources installs a guard, which needs a tracing context (torch
     # 2.11-2.13 raise "TracingContext.get() must be called within an ongoing trace" without).
-    with path.open("rb") as f, tracing(TracingContext(None)):
+    with path.open("rb") as f, tracing(TracingContext(None)), _kernels_in_process():
         entry = torch.compiler.load_compiled_function(f, f_globals=fn.__globals__, **_external(fn))
     if not callable(getattr(entry, "guard_check", None)):
         raise TypeError("this torch's compiled functions cannot check their guards")
