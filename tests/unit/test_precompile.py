@@ -349,6 +349,49 @@ def test_an_entry_that_does_not_load_falls_back_with_one_warning(
     assert len(_files(tmp_path, ".off")) == 1
 
 
+def test_a_loaded_entry_loads_and_first_runs_with_one_compile_thread(
+    fns, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loading an entry and its first call run with inductor's ``compile_threads`` at 1 (its
+    kernels are built; asking for the compile pool would start it: the GPU test checks that no
+    pool starts); later calls, and the process afterwards, keep the setting as it was."""
+    import torch._inductor.config as inductor_config
+
+    import arl.precompile as pc
+
+    with torch.no_grad():
+        Precompiled(fns.cosine, name="t.cos", dynamic=True, cache_dir=str(tmp_path))(torch.ones(3))
+    monkeypatch.setattr(inductor_config, "compile_threads", 4)
+    seen: list[tuple[str, int]] = []
+    load = torch.compiler.load_compiled_function
+
+    def load_spy(*args, **kwargs):
+        seen.append(("load", inductor_config.compile_threads))
+        return load(*args, **kwargs)
+
+    class CallSpy:
+        def __init__(self, entry) -> None:
+            self.entry = entry
+
+        def guard_check(self, *args, **kwargs):
+            return self.entry.guard_check(*args, **kwargs)
+
+        def __call__(self, *args, **kwargs):
+            seen.append(("call", inductor_config.compile_threads))
+            return self.entry(*args, **kwargs)
+
+    load_entry = pc._load_entry
+    monkeypatch.setattr(torch.compiler, "load_compiled_function", load_spy)
+    monkeypatch.setattr(pc, "_load_entry", lambda path, fn: CallSpy(load_entry(path, fn)))
+    p = Precompiled(fns.cosine, name="t.cos", dynamic=True, cache_dir=str(tmp_path))
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(p(torch.ones(3)), torch.ones(3).cos())
+    assert (p.loaded, p.compiled) == (1, 0)
+    assert seen == [("load", 1), ("call", 1), ("call", 4)]
+    assert inductor_config.compile_threads == 4
+
+
 def test_a_fresh_process_loads_the_entry(fns, tmp_path: Path) -> None:
     """Across processes, as a second run is: the child loads, traces nothing, and computes what
     eager computes."""
