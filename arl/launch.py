@@ -57,9 +57,24 @@ def configure(path: str, overrides: list[str]) -> tuple[Config, Plan, int]:
     """
     recipe = import_recipe(path)
     cfg = apply_overrides(load_recipe(path, recipe), overrides)
-    cfg.validate()
-    n_gpus = detect_gpus(cfg)
-    plan = plan_placement(cfg, n_gpus)
+    try:
+        cfg.validate()
+        refused = None
+    except ConfigError as e:
+        # An override may be valid only beside the preset's values (a micro-batch budget that
+        # fits its shorter completions): that is decided once the plan says CPU or GPU.
+        if not hasattr(recipe, "cpu_preset"):
+            raise
+        refused = e
+    try:
+        n_gpus = detect_gpus(cfg)
+        plan = plan_placement(cfg, n_gpus)
+    except Exception:
+        if refused is None:
+            raise
+        raise refused from None  # the plan of an invalid config: the config's own error
+    if refused is not None and any(n.gpu_ids for n in plan.nodes):
+        raise refused
     if hasattr(recipe, "cpu_preset") and not any(n.gpu_ids for n in plan.nodes):
         cfg = load_recipe(path, recipe)
         apply_cpu_preset(path, recipe, cfg)
@@ -113,10 +128,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if flags & {"--help", "-h"}:
             cfg = load_recipe(recipe) if recipe else None
+            if overrides:  # shown as they would apply, and refused as a run would refuse them
+                cfg = apply_overrides(cfg if cfg is not None else Config(), overrides)
             if cfg is not None:
                 cfg.validate_types()  # help_text would show wrong types, or trip on them
             print(USAGE)
-            print("config fields: key (type, " + ("recipe value" if cfg else "default") + "): help")
+            print(
+                "config fields: key (type, "
+                + ("recipe value" if recipe else "value" if overrides else "default")
+                + "): help"
+            )
             print(help_text(cfg))
             return 0
         if recipe is None:
@@ -149,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     from arl.ckpt.recovery import ResumeRefused, check_resume, read_latest, resume_keys
     from arl.control.cluster import run_security
     from arl.engines.model import ModelResolutionError
-    from arl.preflight import InputError, check_data, check_model, check_server
+    from arl.preflight import InputError, check_data, check_model, check_prompts, check_server
     from arl.run_dir import RunDirError, claim_run_dir, keep_previous
     from arl.supervisor import supervise
 
@@ -160,9 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         # written: the run secret, the model, the server's interpreter and data, then the run
         # directory (lock, earlier run, writability).
         run_security(cfg)
-        check_model(cfg)
+        model_dir = check_model(cfg)
         check_server(cfg, engines)
         data = check_data(cfg)  # loaded once: the run (and its restarts) use these rows
+        check_prompts(cfg, model_dir, data[0])
         claim = claim_run_dir(cfg, sync_mode=plan.sync_mode)
         log = logging.getLogger("arl.launch")
         if claim.moved_to is not None:
@@ -281,4 +303,8 @@ class _StopSignals:
 
 if __name__ == "__main__":
     cache_bytecode()  # before the config check imports torch
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # `--help | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)

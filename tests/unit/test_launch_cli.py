@@ -80,6 +80,13 @@ def test_the_cpu_preset_follows_the_placement_plan_and_overrides_win():
     # A GPU in the plan: make_config as written (slurm: the GPUs need not be this host's).
     assert steps("cluster.n_gpus=1", "cluster.launcher=slurm") == (20, 16)
     assert steps("cluster.n_gpus=0", "experiment.total_train_steps=7") == (7, 2)
+    # A micro-batch budget that fits only the preset's shorter completions (128 + 48 tokens):
+    # valid on CPU, refused where the plan has a GPU and make_config's 192 stand.
+    assert steps("cluster.n_gpus=0", "actor.max_tokens_per_mb=180") == (6, 2)
+    gpu = ("cluster.n_gpus=1", "cluster.launcher=slurm")
+    r = launch("recipes/arith.py", "--dry-run", "actor.max_tokens_per_mb=180", *gpu)
+    assert r.returncode == 2 and "actor.max_tokens_per_mb" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_overrides_may_come_before_the_recipe(tmp_path):
@@ -348,3 +355,25 @@ def test_the_launcher_starts_its_nodes_before_importing_torch(tmp_path):
         )
         assert dry.returncode == 0 and "# memory plan" in dry.stdout, dry.stderr
         assert "torch imported at exit: False" in dry.stdout  # a dry run answers at once
+
+
+def test_help_applies_its_overrides_and_refuses_an_unknown_key():
+    r = launch("recipes/arith.py", "--help", "actor.lr=0.25")
+    assert r.returncode == 0 and "actor.lr (float, 0.25)" in r.stdout, r.stderr
+    r = launch("recipes/arith.py", "--help", "actor.lrr=5")
+    assert r.returncode == 2 and "unknown config key 'actor.lrr'" in r.stderr, r.stderr
+
+
+def test_help_into_a_closed_pipe_ends_without_a_traceback():
+    """`... --help | head -1`: the reader is gone before the launcher writes."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "arl.launch", "recipes/arith.py", "--help"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    proc.stdout.close()  # before the child has started: its first write fails
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
