@@ -1,5 +1,6 @@
-"""Checks of a run's inputs before any node starts: the model folders, the dataset splits, and
-the interpreter of an inference server the nodes would start on this machine.
+"""Checks of a run's inputs before any node starts: the model folders, the dataset splits, the
+prompts' length against ``data.max_prompt_len``, and the interpreter of an inference server the
+nodes would start on this machine.
 
 The nodes would find the same faults, but only after every process started and loaded what it
 could; here they become one `InputError` naming the setting, the file and what to do.
@@ -75,6 +76,48 @@ def check_data(cfg: Config) -> tuple[list[dict], list[dict]]:
         loaded.append(rows)
     train, *rest = loaded
     return train, (rest[0][: cfg.evaluator.max_questions or None] if rest else [])
+
+
+PROMPTS_CHECKED = 256  # the first rows of the training split, tokenized in a few ms
+
+
+def check_prompts(cfg: Config, model_dir: str, rows: Sequence[dict]) -> None:
+    """Refuse a ``data.max_prompt_len`` that most prompts cannot fit: every rollout of theirs
+    would fail (`arl.workflows.rlvr` raises `PromptTooLong` under ``data.prompt_overflow=error``)
+    and the run would stop after a string of failed rollouts instead of here.
+
+    Counted on the first `PROMPTS_CHECKED` rows, as the tokens of their messages' contents
+    through the model's ``tokenizer.json`` (the light ``tokenizers`` library, not transformers,
+    whose import would delay every launch by seconds): a lower bound of the prompt, which the
+    chat template only lengthens, so no run is refused that would have fit. Rows without chat
+    ``messages`` (a workflow that builds its own prompts), a model without ``tokenizer.json``
+    and ``prompt_overflow=truncate`` are not checked."""
+    if cfg.data.prompt_overflow != "error":
+        return
+    sample = [r for r in rows[:PROMPTS_CHECKED] if isinstance(r.get("messages"), list)]
+    tokenizer_file = Path(model_dir) / "tokenizer.json"
+    if not sample or not tokenizer_file.is_file():
+        return
+    try:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    except Exception:  # noqa: BLE001 - an unreadable tokenizer is the nodes' to report
+        return
+    texts = [
+        "".join(str(m.get("content", "")) for m in r["messages"] if isinstance(m, dict))
+        for r in sample
+    ]
+    lengths = [len(e.ids) for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+    limit = cfg.data.max_prompt_len
+    over = [n for n in lengths if n > limit]
+    if 2 * len(over) > len(lengths):
+        raise InputError(
+            f"data.max_prompt_len={limit}: {len(over)} of the first {len(lengths)} prompts are "
+            f"longer than that before their chat template is applied (the longest "
+            f"{max(over)} tokens), so their rollouts would fail; raise data.max_prompt_len "
+            "above that, or set data.prompt_overflow=truncate to keep each prompt's last tokens"
+        )
 
 
 def check_server(cfg: Config, engines: Sequence[EngineSpec]) -> None:
