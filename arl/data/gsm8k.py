@@ -128,6 +128,15 @@ def _hub_records(hub_id: str, split: str) -> Iterable[tuple[int, Any]]:
             f"data.path={hub_id!r} is not a local directory, and loading it from the hub needs "
             f"the `datasets` package (pip install -e '.[gsm8k]'); or {local_hint}"
         )
+    from arl.engines.model import hub_reachable
+
+    if not _cached(hub_id) and not hub_reachable():
+        # Fail at once: `datasets` would retry each file for tens of seconds and log every try
+        # (with a copy in its cache it may still load, so that case keeps trying).
+        offline = "HF_HUB_OFFLINE is set" if _hub_offline() else "the hub is not reachable"
+        raise DatasetError(
+            f"data.path={hub_id!r} is not a local directory, and {offline}; {local_hint}"
+        )
     import datasets
 
     # openai/gsm8k has two configs; "main" is the standard one.
@@ -142,6 +151,19 @@ def _hub_records(hub_id: str, split: str) -> Iterable[tuple[int, Any]]:
             f"{local_hint}"
         ) from exc
     return enumerate(ds, start=1)
+
+
+def _cached(hub_id: str) -> bool:
+    """Whether the hub's or `datasets`' cache holds a copy of ``hub_id`` (from an earlier
+    download), which `datasets.load_dataset` can load without the hub."""
+    from huggingface_hub import constants
+
+    datasets_cache = os.environ.get("HF_DATASETS_CACHE") or os.path.join(
+        constants.HF_HOME, "datasets"
+    )
+    return (Path(constants.HF_HUB_CACHE) / f"datasets--{hub_id.replace('/', '--')}").exists() or (
+        Path(datasets_cache) / hub_id.replace("/", "___")
+    ).exists()
 
 
 def _hub_offline() -> bool:

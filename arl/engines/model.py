@@ -65,7 +65,7 @@ def resolve_model(name_or_path: str, cache_dir: str | None = None) -> str:
     if cached is not None:
         validate_model_dir(Path(cached))
         return cached
-    if _hub_reachable():
+    if hub_reachable():
         try:
             downloaded = _hf_download(name_or_path)
         except Exception as exc:  # noqa: BLE001 - any download failure falls to the offline path
@@ -200,7 +200,7 @@ def _hf_download(repo_id: str) -> str:
     return snapshot_download(repo_id, etag_timeout=_PROBE_TIMEOUT_S)
 
 
-def _hub_reachable() -> bool:
+def hub_reachable() -> bool:
     """False if ``HF_HUB_OFFLINE`` is set or a TCP connect to the hub endpoint fails quickly."""
     from huggingface_hub import constants
 

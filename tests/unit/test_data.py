@@ -242,6 +242,35 @@ def test_a_hub_id_offline_fails_in_one_line_naming_a_local_copy(tmp_path):
     assert "data.path=DIR" in msg and "train.jsonl and test.jsonl" in msg
 
 
+def test_an_unreachable_hub_fails_at_once_unless_a_cached_copy_may_load(tmp_path):
+    """No offline flag, but nothing listens at the hub's address: one line saying so, and none
+    of `datasets`' retry warnings. A copy in the hub's cache counts as one `datasets` may load."""
+    pytest.importorskip("datasets")
+    script = (
+        "from arl.data.gsm8k import DatasetError, load_gsm8k\n"
+        "try:\n    load_gsm8k('openai/gsm8k', 'train')\n"
+        "except DatasetError as e:\n    print(e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HTTP", "http"))}
+    env.update(HF_HOME=str(tmp_path), HF_ENDPOINT="http://127.0.0.1:9")  # discard: refused
+
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0 and out.stdout.strip(), out.stderr[-2000:]
+    msg, err = out.stdout.strip(), out.stderr
+    assert "data.path='openai/gsm8k' is not a local directory, and the hub is not reachable" in msg
+    assert "data.path=DIR" in msg and "WARNING" not in err
+    # (With a copy in the hub's cache, `datasets` is asked and retries for ~20 s: not run here.)
+    (tmp_path / "hub" / "datasets--openai--gsm8k").mkdir(parents=True)
+    from arl.data import gsm8k
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HOME", str(tmp_path))
+        mp.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+        assert gsm8k._cached("openai/gsm8k") and not gsm8k._cached("openai/other")
+
+
 def test_a_local_directory_is_read_without_the_hub(tmp_path):
     (tmp_path / "test.jsonl").write_text(json.dumps(GOOD) + "\n")
     rows, stats = load_gsm8k(str(tmp_path), "test")
