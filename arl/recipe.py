@@ -100,8 +100,12 @@ def _line(file: Path, e: BaseException) -> str:
 def _raised_at(file: Path, e: BaseException) -> str:
     """`` (raised at FILE:LINE)`` when ``e`` was raised outside the recipe (a module it
     imports, a library), else ""."""
+    if isinstance(e, SyntaxError) and e.filename and Path(e.filename).resolve() == file.resolve():
+        return ""  # the recipe's own line is already named; the frame is the import machinery
     tb = traceback.extract_tb(e.__traceback__)
     if not tb or Path(tb[-1].filename).resolve() == file.resolve():
+        return ""
+    if tb[-1].filename.startswith("<frozen "):  # Python's import machinery: no place to look
         return ""
     return f" (raised at {tb[-1].filename}:{tb[-1].lineno})"
 

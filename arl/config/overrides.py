@@ -42,6 +42,8 @@ _FALSE = ("false", "0", "no", "off")
 def _split_list(text: str) -> list[str]:
     """Split ``[a, b]`` or ``a,b`` on commas outside quotes; quotes around an item are dropped."""
     text = text.strip()
+    if text.startswith("[") != text.endswith("]"):
+        raise ValueError(f"unbalanced brackets in {text!r}; write [a, b] or a,b")
     if text.startswith("[") and text.endswith("]"):
         text = text[1:-1]
     if not text.strip():
@@ -57,6 +59,8 @@ def _split_list(text: str) -> list[str]:
             cur = ""
             continue
         cur += ch
+    if quote:
+        raise ValueError(f"unclosed {quote} in {text!r}")
     items.append(cur)
     out = []
     for item in (i.strip() for i in items):

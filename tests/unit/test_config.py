@@ -94,6 +94,20 @@ def test_overrides_leave_the_input_unchanged_and_later_ones_win():
 
 
 @pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("cluster.srun_args=[a,b", "unbalanced brackets"),
+        ("cluster.srun_args=a,b]", "unbalanced brackets"),
+        ("cluster.srun_args=['a,b]", "unclosed '"),
+    ],
+)
+def test_a_malformed_list_is_refused_not_guessed(override, says):
+    with pytest.raises(ConfigError, match="cluster.srun_args") as e:
+        apply_overrides(Config(), [override])
+    assert says in str(e.value)
+
+
+@pytest.mark.parametrize(
     ("override", "suggestion"),
     [
         ("actor.lrr=1", "actor.lr"),
