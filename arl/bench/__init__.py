@@ -1,9 +1,17 @@
-"""Benchmarks: ``python -m arl.bench NAME`` (see `arl.bench.__main__`), and what they share."""
+"""Benchmarks: ``python -m arl.bench NAME`` (see `arl.bench.__main__`), and what they share.
+
+The argparse types below refuse a bad number while the command line is parsed (usage, one
+``error:`` line, exit 2), before a benchmark starts a process or writes a file.
+"""
 
 from __future__ import annotations
 
+import argparse
+import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from arl.config import ConfigError
 
@@ -29,3 +37,59 @@ def fresh_run_dir(path: Path) -> None:
             )
     path.mkdir(parents=True, exist_ok=True)
     (path / BENCH_MARK).write_text("made by python -m arl.bench; the next benchmark replaces it\n")
+
+
+MIB = 1 << 20
+_N = TypeVar("_N", int, float)
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= ``low``."""
+
+    def parse(text: str) -> int:
+        return _checked(int, text, f"a whole number >= {low}", lambda v: v >= low)
+
+    return parse
+
+
+positive_int = int_at_least(1)
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (seconds, MiB)."""
+    return _checked(float, text, "a number > 0", lambda v: 0 < v < math.inf)
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    return _checked(float, text, "a number >= 0", lambda v: 0 <= v < math.inf)
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a number in [0, 1)."""
+    return _checked(float, text, "a number in [0, 1)", lambda v: 0 <= v < 1)
+
+
+def size_mib(text: str) -> float:
+    """An argparse type: a size in MiB of at least one byte."""
+    return _checked(
+        float, text, "a size in MiB of at least one byte", lambda v: 1 <= v * MIB < math.inf
+    )
+
+
+def size_list_mib(text: str) -> list[float]:
+    """An argparse type: comma-separated sizes in MiB (``1,16,256``), at least one."""
+    sizes = [size_mib(item.strip()) for item in text.split(",") if item.strip()]
+    if not sizes:
+        raise argparse.ArgumentTypeError(f"want sizes in MiB such as 1,16,256, got {text!r}")
+    return sizes
+
+
+def _checked(kind: Callable[[str], _N], text: str, want: str, ok: Callable[[_N], bool]) -> _N:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want {want}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"want {want}, got {text!r}")
+    return value

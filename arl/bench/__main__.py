@@ -1,7 +1,9 @@
 """``python -m arl.bench NAME [args]``: run one benchmark; ``NAME --help`` shows its options.
 
 Each benchmark is a module with ``main(argv) -> int``, imported only when it is asked for, so one
-benchmark's dependencies never slow down or break another.
+benchmark's dependencies never slow down or break another. Its options are checked as they are
+parsed (the types in `arl.bench`); an error the user can fix (`ConfigError`, a model or dataset
+that cannot be used) is one ``error:`` line and exit 2, Ctrl-C one line and exit 130.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import sys
+from typing import Any
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "transport": (
@@ -53,27 +56,40 @@ def main(argv: list[str] | None = None) -> int:
         close = difflib.get_close_matches(name, BENCHMARKS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         print(
-            f"unknown benchmark {name!r}{hint}; known benchmarks: {', '.join(BENCHMARKS)}",
+            f"error: unknown benchmark {name!r}{hint}; known benchmarks: {', '.join(BENCHMARKS)}",
             file=sys.stderr,
         )
         return 2
+    from arl.config import ConfigError
+    from arl.data.gsm8k import DatasetError
+    from arl.engines.model import ModelResolutionError
+
+    try:
+        module = _import(name)
+        return int(module.main(rest) or 0) if module is not None else 2
+    except (ConfigError, DatasetError, ModelResolutionError) as e:
+        # What the user named and can fix: a run folder the benchmark may not replace, a model
+        # or a dataset that cannot be used. Other exceptions are bugs and keep their traceback.
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: benchmark {name!r} stopped before its report", file=sys.stderr)
+        return 130
+
+
+def _import(name: str) -> Any:
+    """The benchmark's module, or None (said on stderr) when arl has no such module."""
     module_name = BENCHMARKS[name][0]
     try:
-        module = importlib.import_module(module_name)
+        return importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name != module_name:
             raise  # the benchmark exists but one of its own imports is missing
         print(
-            f"benchmark {name!r} is not available yet ({module_name} is missing)", file=sys.stderr
+            f"error: benchmark {name!r} is not available yet ({module_name} is missing)",
+            file=sys.stderr,
         )
-        return 2
-    from arl.config import ConfigError
-
-    try:
-        return int(module.main(rest) or 0)
-    except ConfigError as e:  # e.g. a run folder the benchmark may not replace
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return None
 
 
 if __name__ == "__main__":

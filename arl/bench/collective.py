@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from arl.bench import int_at_least, positive_int, size_mib
 from arl.wire.addresses import free_port
 
 
@@ -92,10 +93,15 @@ def measure(world: int, backend: str, sizes: list[int], reps: int) -> list[tuple
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m arl.bench collective", description=__doc__)
-    p.add_argument("--world", type=int, default=2, help="processes (one GPU each with nccl)")
+    p.add_argument(
+        "--world",
+        type=int_at_least(2),
+        default=2,
+        help="processes, rank 0 and the ranks it broadcasts to (one GPU each with nccl)",
+    )
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto")
-    p.add_argument("--sizes-mib", type=float, nargs="*", default=[1, 16, 256])
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--sizes-mib", type=size_mib, nargs="+", default=[1, 16, 256])
+    p.add_argument("--reps", type=positive_int, default=5)
     args = p.parse_args(argv)
     backend = args.backend
     if backend == "auto":

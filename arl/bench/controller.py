@@ -30,6 +30,7 @@ from pathlib import Path
 
 import attrs
 
+from arl.bench import positive_float, positive_int
 from arl.bench.sim import SimResult, SimSpec, run_sim
 
 CPU_GOAL = 0.02
@@ -86,11 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m arl.bench controller", description=__doc__.split("\n")[0]
     )
-    p.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[16, 4096])
-    p.add_argument("--steps", type=int, default=4, help="steps per memory/bytes measurement")
-    p.add_argument("--cpu-steps", type=int, default=10)
-    p.add_argument("--step-s", type=float, default=1.6, help="step length of the CPU figure")
+    p.add_argument("--batches", type=positive_int, nargs="+", default=[64, 128, 256, 512, 1024])
+    p.add_argument("--seq-lens", type=positive_int, nargs="+", default=[16, 4096])
+    p.add_argument(
+        "--steps", type=positive_int, default=4, help="steps per memory/bytes measurement"
+    )
+    p.add_argument("--cpu-steps", type=positive_int, default=10)
+    p.add_argument(
+        "--step-s", type=positive_float, default=1.6, help="step length of the CPU figure"
+    )
     p.add_argument("--skip", nargs="*", default=[], choices=["cpu", "memory", "bytes"])
     p.add_argument("--out", type=Path, default=None, help="run directory (default: a temp dir)")
     p.add_argument("--child", help=argparse.SUPPRESS)

@@ -50,6 +50,8 @@ from typing import Any
 
 import torch
 
+from arl.bench import positive_int
+
 NOMINAL_HBM_TB_S = 4.8  # H200 datasheet
 SMOLLM2_135M = dict(
     vocab_size=49152,
@@ -635,9 +637,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder for --model random")
     p.add_argument("--only", nargs="*", choices=SECTIONS, default=list(SECTIONS))
-    p.add_argument("--batches", type=int, nargs="*", default=[1, 64, 256])
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--batches", type=positive_int, nargs="*", default=[1, 64, 256])
+    p.add_argument("--prompt-len", type=positive_int, default=128)
+    p.add_argument("--new-tokens", type=positive_int, default=256)
     p.add_argument(
         "--mixed-max",
         type=int,
@@ -652,7 +654,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="skip the engine as it was before the decode fixes (stock sdpa, no compiled blocks)",
     )
     p.add_argument(
-        "--train-mb-tokens", type=int, default=None, help="none: each variant's own budget"
+        "--train-mb-tokens", type=positive_int, default=None, help="none: each variant's own budget"
     )
     p.add_argument("--train-variants", nargs="*", default=["padded", "packed", "packed+compile"])
     p.add_argument("--sync-modes", nargs="*", default=["ipc_buffer", "ipc", "zmq", "disk"])

@@ -31,6 +31,8 @@ from typing import Any
 import attrs
 import torch
 
+from arl.bench import positive_float, positive_int
+from arl.config import ConfigError
 from arl.engines.base import Engine, SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,8 +79,11 @@ def parse_scenarios(text: str) -> list[Scenario]:
     out = []
     for item in text.split(","):
         conc, sep, new = item.strip().lower().replace("×", "x").partition("x")
-        if not sep or not conc.strip().isdigit() or not new.strip().isdigit():
-            raise ValueError(f"scenario {item!r}: write CONCURRENCYxNEW_TOKENS, e.g. 8x64")
+        digits = sep and conc.strip().isdigit() and new.strip().isdigit()
+        if not digits or int(conc) < 1 or int(new) < 1:
+            raise ValueError(
+                f"scenario {item!r}: write CONCURRENCYxNEW_TOKENS, both at least 1, e.g. 8x64"
+            )
         out.append(Scenario(int(conc), int(new)))
     return out
 
@@ -89,7 +94,8 @@ def default_vllm_python() -> str:
 
 
 def load_questions(n: int, gsm8k_dir: str | None) -> tuple[list[list[dict[str, str]]], str]:
-    """Chat messages of ``n`` GSM8K test questions, or of arith questions without GSM8K."""
+    """Chat messages of ``n`` GSM8K test questions, or of arith questions without GSM8K;
+    `ConfigError` when the directory given holds no test.jsonl with ``n`` rows."""
     from arl.data.arith import make_arith
     from arl.data.gsm8k import load_gsm8k
 
@@ -100,7 +106,7 @@ def load_questions(n: int, gsm8k_dir: str | None) -> tuple[list[list[dict[str, s
     path = Path(given).expanduser()
     rows = load_gsm8k(str(path), "test")[0] if (path / "test.jsonl").is_file() else []
     if len(rows) < n:
-        raise FileNotFoundError(
+        raise ConfigError(
             f"{source}={given!r}: needs a directory holding GSM8K test.jsonl with at least {n} "
             f"rows ({len(rows)} found)"
         )
@@ -271,40 +277,49 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help=f"GSM8K directory holding test.jsonl (default ${GSM8K_ENV}; neither: arith questions)",
     )
-    p.add_argument("--scenarios", default="8x64,32x128", help="CONCURRENCYxNEW_TOKENS, ...")
+    p.add_argument(
+        "--scenarios",
+        type=_scenarios,
+        default="8x64,32x128",
+        help="CONCURRENCYxNEW_TOKENS, ...",
+    )
     p.add_argument("--hf-dtypes", default="float32,bfloat16", help="hf engine dtypes, comma sep.")
-    p.add_argument("--repeats", type=int, default=1, help="timed rounds (median reported)")
+    p.add_argument("--repeats", type=positive_int, default=1, help="timed rounds (median reported)")
     p.add_argument("--skip-vllm", action="store_true", help="measure the hf engine only")
     p.add_argument(
         "--vllm-python",
         default=None,
         help="interpreter with vLLM (default $ARL_VLLM_PYTHON or <repo>/.venv-vllm/bin/python)",
     )
-    p.add_argument("--vllm-start-timeout", type=float, default=1500.0, help="seconds")
+    p.add_argument("--vllm-start-timeout", type=positive_float, default=1500.0, help="seconds")
     p.add_argument(
         "--quick", action="store_true", help="one round, token budgets / 4 (a smoke run)"
     )
     return p.parse_args(argv)
 
 
+def _scenarios(text: str) -> list[Scenario]:
+    try:
+        return parse_scenarios(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print its table; returns 0 (the target is reported, not fatal)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse(argv)
-    scenarios = parse_scenarios(args.scenarios)
-    repeats = args.repeats
+    scenarios, repeats = args.scenarios, args.repeats
     if args.quick:
         scenarios = [Scenario(s.concurrency, max(1, s.new_tokens // 4)) for s in scenarios]
         repeats = 1
-    if repeats < 1:
-        raise ValueError(f"--repeats {repeats}: need at least one round")
     hf_dtypes = [d.strip() for d in args.hf_dtypes.split(",") if d.strip()]
     vllm_python = None
     if not args.skip_vllm:
         vllm_python = args.vllm_python or default_vllm_python()
         if not Path(vllm_python).is_file():
             print(
-                f"no vLLM interpreter at {vllm_python!r}: run .ci/install-vllm, set "
+                f"error: no vLLM interpreter at {vllm_python!r}: run .ci/install-vllm, set "
                 "ARL_VLLM_PYTHON or pass --vllm-python; or --skip-vllm for hf only",
                 file=sys.stderr,
             )
@@ -312,8 +327,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from arl.engines.model import resolve_model
 
-    model_dir = resolve_model(args.model)
+    # The questions first: a wrong --data is refused before a model is downloaded.
     messages, source = load_questions(max(s.concurrency for s in scenarios), args.data)
+    model_dir = resolve_model(args.model)
     prompts = build_prompts(model_dir, messages)
     measurements = asyncio.run(
         run_benchmark(

@@ -26,6 +26,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from arl.bench import positive_int, size_mib
 from arl.node.data_plane import DEFAULT_CHUNK_BYTES, DataPlaneClient, DataPlaneServer
 from arl.node.shard_store import ShardStore
 from arl.protocol.rtensor import ShardRef
@@ -36,18 +37,20 @@ MIB = 1 << 20
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m arl.bench rtensor", description=__doc__)
-    p.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 256])
-    p.add_argument("--reps", type=int, default=5, help="timed pulls per size (median reported)")
+    p.add_argument("--sizes-mib", type=positive_int, nargs="+", default=[16, 256])
+    p.add_argument(
+        "--reps", type=positive_int, default=5, help="timed pulls per size (median reported)"
+    )
     p.add_argument(
         "--chunk-mib",
-        type=float,
+        type=size_mib,
         nargs="+",
         default=[DEFAULT_CHUNK_BYTES / MIB],
         help="tcp chunk sizes to compare (one tcp row each)",
     )
     p.add_argument(
         "--copy-threads",
-        type=int,
+        type=positive_int,
         default=1,
         help="torch threads for the memcpy floor and the consumer's copy (1: a plain memcpy)",
     )

@@ -29,7 +29,14 @@ from typing import Any
 
 import attrs
 
-from arl.bench import fresh_run_dir
+from arl.bench import (
+    fraction,
+    fresh_run_dir,
+    int_at_least,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
 from arl.config import Config, apply_overrides
 from arl.control.cluster import Cluster, start_cluster
 from arl.control.controller import RemoteObject
@@ -290,8 +297,9 @@ def report(results: list[SimResult]) -> str:
             f"{r.phase_mean('time/sync_s'):.3f} | {format_hist(r.staleness())} | "
             f"{1000 * cpu:.1f} ms ({100 * cpu / r.step_s:.1f}%) |"
         )
-    if base:
-        best = max(r.steps_per_hour / base.steps_per_hour for r in results if r.spec.eta > 0)
+    speedups = [r.steps_per_hour / base.steps_per_hour for r in results if base and r.spec.eta > 0]
+    if speedups:  # the target is judged only with both a synchronous and an async run
+        best = max(speedups)
         met = "met" if best >= SPEEDUP_TARGET else "MISSED"
         lines.append(f"\ntarget: async >= {SPEEDUP_TARGET}x synchronous: {met} ({best:.2f}x)")
     return "\n".join(lines)
@@ -299,16 +307,18 @@ def report(results: list[SimResult]) -> str:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m arl.bench sim", description=__doc__.split("\n")[0])
-    p.add_argument("--eta", type=int, nargs="+", default=[0, 2, 8])
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=8, help="prompt groups per step")
-    p.add_argument("--n-samples", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=16, help="generated tokens per sample")
-    p.add_argument("--gen-time", type=float, default=0.5, help="seconds per group")
-    p.add_argument("--train-time", type=float, default=0.5, help="seconds per PPO update")
-    p.add_argument("--jitter", type=float, default=0.1)
-    p.add_argument("--rollout-nodes", type=int, default=2)
-    p.add_argument("--train-nodes", type=int, default=1)
+    p.add_argument("--eta", type=int_at_least(0), nargs="+", default=[0, 2, 8])
+    p.add_argument("--steps", type=positive_int, default=20)
+    p.add_argument("--batch-size", type=positive_int, default=8, help="prompt groups per step")
+    p.add_argument("--n-samples", type=positive_int, default=4)
+    p.add_argument("--seq-len", type=positive_int, default=16, help="generated tokens per sample")
+    p.add_argument("--gen-time", type=positive_float, default=0.5, help="seconds per group")
+    p.add_argument(
+        "--train-time", type=non_negative_float, default=0.5, help="seconds per PPO update"
+    )
+    p.add_argument("--jitter", type=fraction, default=0.1, help="gen-time varies by +- this share")
+    p.add_argument("--rollout-nodes", type=positive_int, default=2)
+    p.add_argument("--train-nodes", type=positive_int, default=1)
     p.add_argument("--out", type=Path, default=Path("runs/bench-sim"))
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
     return p.parse_args(argv)

@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from arl.bench import fresh_run_dir
+from arl.bench import fresh_run_dir, positive_float
 from arl.config import ConfigError, apply_overrides
 from arl.recipe import load_recipe
 from arl.stats.logger import read_jsonl
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--run-dir", type=Path, default=Path("runs/bench-startup"))
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    p.add_argument("--timeout", type=positive_float, default=900.0, help="seconds per run")
     p.add_argument("overrides", nargs="*", help="config overrides key=value, passed to the runs")
     a = p.parse_intermixed_args(args)
     if a.steps < 1:

@@ -40,6 +40,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from arl.bench import positive_int, size_list_mib
 from arl.control.controller import Controller
 from arl.control.launcher import LocalNodes
 from arl.event_loop import loop_name, run_loop
@@ -420,12 +421,17 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print its tables; returns 0 (the targets are reported, not fatal)."""
     p = argparse.ArgumentParser(prog="python -m arl.bench transport", description=__doc__)
     p.add_argument("--quick", action="store_true", help="fewer repetitions (about 4x faster)")
-    p.add_argument("--calls", type=int, default=0, help="timed empty calls (default 2000)")
     p.add_argument(
-        "--sizes-mib", default="1,16,256", help="bulk sizes in MiB, comma separated (1,16,256)"
+        "--calls", type=positive_int, default=None, help="timed empty calls (default 2000)"
+    )
+    p.add_argument(
+        "--sizes-mib",
+        type=size_list_mib,
+        default=[1, 16, 256],
+        help="bulk sizes in MiB, comma separated (1,16,256)",
     )
     a = p.parse_args(argv)
-    sizes = [int(float(s) * MIB) for s in a.sizes_mib.split(",") if s.strip()]
+    sizes = [int(s * MIB) for s in a.sizes_mib]
     calls = a.calls or (500 if a.quick else 2000)
     warmup = calls // 10
     # Repetitions scale down with size: the total stays well under two minutes on 2 cores.

@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from arl.stats.logger import read_jsonl
+from arl.stats.logger import MetricsFileError, read_jsonl
 
 
 def curve(rows: list[dict]) -> list[dict]:
@@ -71,17 +71,31 @@ def main(argv: list[str] | None = None) -> int:
     if not args.metrics.is_file():
         print(f"error: {args.metrics} is not a file; pass a run's metrics.jsonl", file=sys.stderr)
         return 2
-    points = curve(read_jsonl(args.metrics))
+    if args.out is not None and (problem := new_file_problem(args.out, "--out")):
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        points = curve(read_jsonl(args.metrics))
+    except MetricsFileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not points:
         print(f"error: {args.metrics} holds no step rows", file=sys.stderr)
         return 2
     print(_table(points))
     if args.out is not None:
-        if args.out.exists():
-            print(f"error: {args.out} exists; pass another --out", file=sys.stderr)
-            return 2
         args.out.write_text(json.dumps(points, indent=1) + "\n")
     return 0
+
+
+def new_file_problem(out: Path, flag: str) -> str | None:
+    """Why ``out`` may not be written as a new file (None: it may). A file there is the user's
+    and is never replaced; a missing folder is theirs to make."""
+    if out.exists():
+        return f"{out} exists; pass another {flag} (the file is left as it is)"
+    if not out.parent.is_dir():
+        return f"{out.parent} is not a directory; create it or pass another {flag}"
+    return None
 
 
 if __name__ == "__main__":

@@ -83,7 +83,37 @@ def _plain(v: Any) -> Any:
     return v
 
 
+class MetricsFileError(ValueError):
+    """A metrics file that is not JSON lines of objects (the message names the file and line)."""
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
-    """All rows of a metrics.jsonl file."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """All rows of a metrics.jsonl file.
+
+    A last line without its newline that does not parse is skipped: the logger writes each row
+    with its newline in one write, so that is a row of a live run still being written. Any
+    other line that is not a JSON object raises `MetricsFileError`.
+    """
+    try:
+        lines = Path(path).read_text(encoding="utf-8").split("\n")
+    except UnicodeDecodeError:
+        raise MetricsFileError(f"{path} is not a text file; pass a run's metrics.jsonl") from None
+    rows = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if n == len(lines):  # no newline after it: being written
+                break
+            raise MetricsFileError(
+                f"{path}, line {n}: not JSON ({e.msg}); pass a run's metrics.jsonl"
+            ) from None
+        if not isinstance(row, dict):
+            raise MetricsFileError(
+                f"{path}, line {n}: a JSON {type(row).__name__}, not an object of metrics; "
+                "pass a run's metrics.jsonl"
+            )
+        rows.append(row)
+    return rows

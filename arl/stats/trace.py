@@ -213,17 +213,30 @@ def _keep_previous(path: Path) -> None:
 
 
 # ---- reading ----------------------------------------------------------------------------------
+class TraceFileError(ValueError):
+    """A file that is not a trace (the message names it and what is wrong)."""
+
+
 def load_trace(path: str | Path) -> list[dict]:
-    """The events of a trace file (array or ``{"traceEvents": [...]}`` form, ended or not)."""
-    text = Path(path).read_text().strip()
+    """The events of a trace file (array or ``{"traceEvents": [...]}`` form, ended or not);
+    `TraceFileError` for anything else."""
+    try:
+        text = Path(path).read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError:
+        raise TraceFileError(f"{path} is not a text file; it is not a trace") from None
     if not text:
-        raise ValueError(f"{path} is empty; it is not a trace")
+        raise TraceFileError(f"{path} is empty; it is not a trace")
     if text.startswith("[") and not text.endswith("]"):
         text = text.rstrip(",") + "]"  # a run that stopped before close(): the array is open
-    data = json.loads(text)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TraceFileError(
+            f"{path} is not JSON ({e.msg}, line {e.lineno}); pass a run's trace.json"
+        ) from None
     events = data.get("traceEvents") if isinstance(data, dict) else data
-    if not isinstance(events, list):
-        raise ValueError(f"{path} holds no list of trace events")
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        raise TraceFileError(f"{path} holds no list of trace events")
     return events
 
 

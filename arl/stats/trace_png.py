@@ -4,8 +4,8 @@
         --labels eta=0 eta=2 -o docs/results/timeline.png
 
 One band per row of the trace (the trainer, then each node), split into the row's lanes; spans
-are coloured by phase. Times are seconds from each trace's first span. Needs matplotlib
-(`pip install -e '.[plot]'`).
+are coloured by phase. Times are seconds from each trace's first span. An existing ``-o`` file
+is never replaced. Needs matplotlib (`pip install -e '.[plot]'`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from arl.stats.trace import load_trace, spans
+from arl.stats.plot import figure_problem
+from arl.stats.trace import TraceFileError, load_trace, spans
 
 COLORS = {
     "generate": "#4C72B0",
@@ -147,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m arl.stats.trace_png", description=__doc__.split("\n")[0]
     )
     p.add_argument("traces", type=Path, nargs="+", help="trace.json files, drawn top to bottom")
-    p.add_argument("-o", "--out", type=Path, default=Path("timeline.png"))
+    p.add_argument(
+        "-o", "--out", type=Path, default=Path("timeline.png"), help="a new file (never replaced)"
+    )
     p.add_argument("--labels", nargs="+", help="one panel title per trace (default: the paths)")
     p.add_argument("--title", default="")
     p.add_argument("--start", type=float, default=0.0, help="first second shown")
@@ -158,11 +161,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {len(a.traces)} traces but {len(labels)} labels", file=sys.stderr)
         return 2
     for t in a.traces:
-        if not t.exists():
-            print(f"error: {t} does not exist", file=sys.stderr)
+        if not t.is_file():
+            print(f"error: {t} is not a file; pass a run's trace.json", file=sys.stderr)
             return 2
+    if problem := figure_problem(a.out, "-o"):
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     traces = dict(zip(labels, a.traces, strict=True))
-    print(render(traces, a.out, title=a.title, start=a.start, end=a.end))
+    try:
+        print(render(traces, a.out, title=a.title, start=a.start, end=a.end))
+    except TraceFileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
