@@ -18,7 +18,11 @@ a job script started with default flags honours the run's settings. Then it serv
 
 It exits on ``bye``, on SIGTERM/SIGINT, and when the controller has been silent for
 ``heartbeat_timeout`` seconds; once stopped, the process ends within a grace period even where
-something in its teardown blocks.
+something in its teardown blocks. Its exit status is 0 when the controller ended it (``bye``),
+a signal did, or it stopped itself in order (its engine died, which it told the controller); 1
+when it never reached its controller, could not join it (refused, or its data plane did not
+start) or lost it, so that a job script or srun sees a node that served no run as a failure; 2,
+with one ``error: ...`` line, for bad flags, a missing secret or an address it cannot use.
 
 A watchdog thread notices when the node's event loop has not run for a quarter of
 ``heartbeat_timeout`` (a blocking call inside ``async def``, e.g. in a reward): it logs the loop
@@ -34,13 +38,14 @@ import concurrent.futures
 import gc
 import inspect
 import logging
+import math
 import os
 import signal
 import socket
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import zmq
 
@@ -60,7 +65,15 @@ from arl.wire.codec import (
     encode_message,
     peek_id,
 )
-from arl.wire.sockets import Authenticator, Security, bind_tcp, host_id, make_socket, new_context
+from arl.wire.sockets import (
+    Authenticator,
+    AuthError,
+    Security,
+    bind_tcp,
+    host_id,
+    make_socket,
+    new_context,
+)
 
 if TYPE_CHECKING:
     from arl.node.data_plane import NodeDataPlane
@@ -77,6 +90,11 @@ _CLOSE_TIMEOUT_S = 10.0
 # A stopped node's process ends this long (plus the objects' close timeouts) after it stopped,
 # whatever blocks its teardown (`NodeDaemon._arm_exit_guard`).
 _EXIT_GRACE_S = 10.0
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class NodeStartError(RuntimeError):
+    """The node cannot open its sockets with the addresses it was given."""
 
 
 class NodeDaemon:
@@ -107,6 +125,8 @@ class NodeDaemon:
         self._stop = asyncio.Event()
         self._last_heard = time.monotonic()
         self.exit_reason = ""
+        # It stopped without serving its run to the end (`stop`); the process then exits 1.
+        self.failed = False
         self.run_id = os.environ.get("ARL_RUN_ID", "arl")
         # Started once the hello reply's config is applied (`_configure`), ended with the node.
         self.data_plane: NodeDataPlane | None = None
@@ -152,24 +172,9 @@ class NodeDaemon:
 
     # ---- main loop --------------------------------------------------------------------------
     async def run(self) -> str:
-        """Serve until stopped; returns why the node stopped."""
-        self.ctx = new_context()
-        self.auth = Authenticator(self.ctx, self.security)
-        # No ZMQ_MAXMSGSIZE on the control DEALER: a frame over it makes libzmq close the link to
-        # the controller for good (no reconnect after a protocol error) and the node goes deaf.
-        # _recv_loop checks the whole message instead, and answers an oversize call with `err`.
-        self.sock = make_socket(self.ctx, zmq.DEALER, self.security, server=False)
-        self.sock.setsockopt(zmq.ROUTING_ID, self.node_id.encode())
-        self.data_sock = make_socket(
-            self.ctx,
-            zmq.ROUTER,
-            self.security,
-            server=True,
-            max_message_bytes=self.config.max_message_bytes,
-        )
-        self.data_addr = bind_tcp(self.data_sock, self.data_host)
-        self.auth.watch(self.data_sock)  # refused peers are logged with their address
-        self.sock.connect(self.controller)
+        """Serve until stopped; returns why the node stopped. Raises `NodeStartError` when its
+        sockets cannot bind or connect."""
+        self._open_sockets()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
@@ -192,6 +197,9 @@ class NodeDaemon:
         try:
             await self._stop.wait()
         finally:
+            # First: with the tick task cancelled below, the watchdog would take the seconds
+            # that closing hosted objects and the data plane take for a blocked loop.
+            self._stop_watchdog()
             recv.cancel()
             hb.cancel()
             tick.cancel()
@@ -200,6 +208,56 @@ class NodeDaemon:
                 self._arm_exit_guard()
             await self._shutdown()
         return self.exit_reason
+
+    def _open_sockets(self) -> None:
+        """The control DEALER, connected to the controller, and the data plane's bound ROUTER;
+        on failure everything opened so far is closed again and `NodeStartError` raised."""
+        self.ctx = new_context()
+        self.auth = Authenticator(self.ctx, self.security)
+        opened = []
+        try:
+            # No ZMQ_MAXMSGSIZE on the control DEALER: a frame over it makes libzmq close the
+            # link to the controller for good (no reconnect after a protocol error) and the node
+            # goes deaf. _recv_loop checks the whole message instead, and answers an oversize
+            # call with `err`.
+            self.sock = make_socket(self.ctx, zmq.DEALER, self.security, server=False)
+            opened.append(self.sock)
+            self.sock.setsockopt(zmq.ROUTING_ID, self.node_id.encode())
+            self.data_sock = make_socket(
+                self.ctx,
+                zmq.ROUTER,
+                self.security,
+                server=True,
+                max_message_bytes=self.config.max_message_bytes,
+            )
+            opened.append(self.data_sock)
+            try:
+                self.data_addr = bind_tcp(self.data_sock, self.data_host)
+            except zmq.ZMQError as e:
+                raise NodeStartError(
+                    f"cannot bind the data plane on {self.data_host!r} ({e}); pass --data-host "
+                    "with an address or name of this machine"
+                ) from None
+            self.auth.watch(self.data_sock)  # refused peers are logged with their address
+            try:
+                self.sock.connect(self.controller)
+            except zmq.ZMQError as e:
+                raise NodeStartError(
+                    f"cannot connect to the controller at {self.controller!r} ({e}); pass "
+                    "--controller tcp://HOST:PORT as the controller printed it"
+                ) from None
+        except BaseException:
+            self.auth.stop()
+            for s in opened:
+                s.close(0)
+            self.ctx.term()
+            raise
+
+    def _stop_watchdog(self) -> None:
+        """End the loop watchdog thread (idempotent)."""
+        self._watch_stop.set()
+        if self._watchdog is not None:
+            self._watchdog.join(2.0)  # it closes its socket before the context ends
 
     def _arm_exit_guard(self) -> None:
         """End the process ``_EXIT_GRACE_S`` (plus each hosted object's close timeout) from now
@@ -214,7 +272,7 @@ class NodeDaemon:
 
         def force_exit() -> None:
             os.write(2, note.encode())  # not through logging, whose locks may be the ones held
-            os._exit(0)
+            os._exit(1 if self.failed else 0)
 
         timer = threading.Timer(grace, force_exit)
         timer.daemon = True
@@ -230,8 +288,7 @@ class NodeDaemon:
             try:
                 self.config = NodeConfig.from_wire(reply["node_config"])
             except NodeConfigError as e:
-                log.error("node %s: the controller's hello reply is unusable: %s", self.node_id, e)
-                self.stop(f"bad node config from the controller: {e}")
+                self.stop(f"the controller's hello reply is unusable: {e}", failed=True)
                 return
             log.info("node %s: the run's settings: %s", self.node_id, self.config)
         cfg = self.config
@@ -251,13 +308,17 @@ class NodeDaemon:
             self.store = self.data_plane.store
         except Exception as e:  # in the receive loop: raised, it would leave the node deaf
             log.exception("node %s: the shard store and data plane did not start", self.node_id)
-            self.stop(f"the shard store and data plane did not start: {e}")
+            self.stop(f"the shard store and data plane did not start: {e}", failed=True)
 
-    def stop(self, reason: str = "stopped") -> None:
-        """Ask the node to stop (idempotent)."""
+    def stop(self, reason: str = "stopped", *, failed: bool = False) -> None:
+        """Ask the node to stop (idempotent). ``failed``: it ends without serving its run (it
+        never reached, could not join or lost its controller): said at ERROR, and the process
+        exits 1, where a job script or srun sees it."""
         if not self._stop.is_set():
             self.exit_reason = reason
-            log.info("node %s stopping: %s", self.node_id, reason)
+            self.failed = failed
+            level = logging.ERROR if failed else logging.INFO
+            log.log(level, "node %s stopping: %s", self.node_id, reason)
             self._stop.set()
 
     async def _shutdown(self) -> None:
@@ -276,9 +337,6 @@ class NodeDaemon:
         except Exception:
             pass
         self.engine_thread.shutdown(wait=False, cancel_futures=True)
-        self._watch_stop.set()
-        if self._watchdog is not None:
-            self._watchdog.join(2.0)  # it closes its socket before the context ends
         self.auth.stop()
         self.sock.close(0)
         self.data_sock.close(0)
@@ -307,7 +365,15 @@ class NodeDaemon:
             await asyncio.sleep(self.config.heartbeat_interval)
             cfg = self.config  # the hello reply may have replaced it meanwhile
             if time.monotonic() - self._last_heard > cfg.heartbeat_timeout:
-                self.stop(f"controller silent for more than {cfg.heartbeat_timeout}s")
+                silent = f"controller silent for more than {cfg.heartbeat_timeout}s"
+                if self.configured:
+                    self.stop(f"{silent}: lost the controller at {self.controller}", failed=True)
+                else:
+                    self.stop(
+                        f"{silent}: could not reach the controller at {self.controller}; check "
+                        "that it runs there and that this node has the run's secret",
+                        failed=True,
+                    )
                 return
             # Bounded: with no link to the controller (e.g. refused at the handshake, after which
             # libzmq does not reconnect) a send waits forever, and this loop must keep checking.
@@ -391,8 +457,8 @@ class NodeDaemon:
                 continue
             if msg.op != "call":
                 if msg.op == "err":
-                    log.error("controller refused us: %s", (msg.args or {}).get("message"))
-                    self.stop("refused by controller")
+                    why = (msg.args or {}).get("message") if isinstance(msg.args, dict) else None
+                    self.stop(f"refused by the controller at {self.controller}: {why}", failed=True)
                     return
                 await self._send(
                     Message(
@@ -525,9 +591,54 @@ class NodeDaemon:
         return await self.data_plane.materialize(args, kwargs)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its error as one ``error: ...`` line (no usage block), as arl's other
+    commands print theirs."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def _controller_address(text: str) -> str:
+    """``--controller``: tcp://HOST:PORT, refused here rather than by libzmq's bare EINVAL."""
+    host, _, port = text.removeprefix("tcp://").rpartition(":")
+    if not text.startswith("tcp://") or not host or not port.isdigit() or not 0 < int(port) < 2**16:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not tcp://HOST:PORT; pass the address the controller listens on, "
+            "e.g. tcp://10.0.0.5:5555"
+        )
+    return text
+
+
+def _seconds(text: str) -> float:
+    """A heartbeat flag: a positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    return value
+
+
+def _log_level(text: str) -> str:
+    """``--log-level`` (default ``$ARL_LOG_LEVEL``): a `logging` level name, any case."""
+    if text.upper() not in _LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"unknown log level {text!r} (from the flag or $ARL_LOG_LEVEL); use one of "
+            + ", ".join(_LOG_LEVELS)
+        )
+    return text.upper()
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="arl-node", description=__doc__.split("\n")[0])
-    p.add_argument("--controller", required=True, help="controller address, tcp://HOST:PORT")
+    p = _Parser(prog="arl-node", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--controller",
+        required=True,
+        type=_controller_address,
+        help="controller address, tcp://HOST:PORT",
+    )
     p.add_argument(
         "--secret-file", default="", help="0600 file with the run secret (default: $ARL_SECRET)"
     )
@@ -545,13 +656,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--curve", action="store_true", help="use CURVE encryption")
     p.add_argument(
         "--heartbeat-interval",
-        type=float,
+        type=_seconds,
         default=1.0,
         help="seconds between heartbeats until the controller sends the run's",
     )
     p.add_argument(
         "--heartbeat-timeout",
-        type=float,
+        type=_seconds,
         default=10.0,
         help="seconds of controller silence that end the node, until the controller sends the "
         "run's (so also how long a node waits for a controller that is not up yet)",
@@ -570,7 +681,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "with the run's transport.max_message_bytes, except for the data plane socket's own "
         "cap, set when it binds",
     )
-    p.add_argument("--log-level", default=os.environ.get("ARL_LOG_LEVEL", "WARNING"))
+    p.add_argument(
+        "--log-level",
+        type=_log_level,  # also applied to the default, so a bad $ARL_LOG_LEVEL is refused too
+        default=os.environ.get("ARL_LOG_LEVEL", "WARNING"),
+        help=f"one of {', '.join(_LOG_LEVELS)} (default: $ARL_LOG_LEVEL, else WARNING)",
+    )
     return p.parse_args(argv)
 
 
@@ -582,22 +698,32 @@ def default_node_id() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The daemon's command line (``arl-node`` runs it through `arl.node.__main__`)."""
+    """The daemon's command line (``arl-node`` runs it through `arl.node.__main__`); returns
+    2 with one ``error:`` line for bad flags, a missing secret or an address it cannot use,
+    else ends the process: 1 when the node failed (`NodeDaemon.failed`), 0 otherwise."""
     a = _parse_args(argv)
-    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    security = Security.from_env(a.secret_file, curve=a.curve)
+    logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(message)s")
+    try:
+        security = Security.from_env(a.secret_file, curve=a.curve)
+        config = NodeConfig(
+            heartbeat_interval=a.heartbeat_interval,
+            heartbeat_timeout=a.heartbeat_timeout,
+            allowed_import_prefixes=tuple(a.allow_import or DEFAULT_PREFIXES),
+            max_message_bytes=a.max_message_bytes,
+        )
+    except (AuthError, NodeConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a secret file that exists but cannot be read (a folder, no access)
+        print(f"error: --secret-file {a.secret_file}: {e.strerror}", file=sys.stderr)
+        return 2
     os.environ.pop("ARL_SECRET", None)  # engines and their subprocesses do not need it
     data_host = a.data_host or ("127.0.0.1" if is_loopback(a.controller) else socket.gethostname())
     node = NodeDaemon(
         a.controller,
         security,
         node_id=a.node_id or default_node_id(),
-        config=NodeConfig(
-            heartbeat_interval=a.heartbeat_interval,
-            heartbeat_timeout=a.heartbeat_timeout,
-            allowed_import_prefixes=tuple(a.allow_import or DEFAULT_PREFIXES),
-            max_message_bytes=a.max_message_bytes,
-        ),
+        config=config,
         data_host=data_host,
         exit_guard=True,
     )
@@ -605,13 +731,17 @@ def main(argv: list[str] | None = None) -> int:
     # before the event loop, whose watchdog would report a second-long import in it as a stall.
     import torch  # noqa: F401
 
-    reason = run_loop(node.run())
+    try:
+        reason = run_loop(node.run())
+    except NodeStartError as e:  # nothing runs yet: its sockets are closed again
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     log.info("node %s exited: %s", node.node_id, reason)
     logging.shutdown()
     # Sockets, shards and hosted objects are closed by now. The engine thread may still be
     # inside a long torch call that cannot be interrupted; the interpreter would wait for it
     # at exit, so leave without joining it.
-    os._exit(0)
+    os._exit(1 if node.failed else 0)
 
 
 if __name__ == "__main__":
