@@ -178,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     claim = None
     try:
         # Everything a user can get wrong is checked before any node starts or any file is
-        # written: the run secret, the model, the server's interpreter and data, then the run
-        # directory (lock, earlier run, writability).
+        # written: the run secret, the model, the server's interpreter, the data and its
+        # prompts' length, then the run directory (lock, earlier run, writability).
         run_security(cfg)
         model_dir = check_model(cfg)
         check_server(cfg, engines)

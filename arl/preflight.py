@@ -104,8 +104,8 @@ def check_prompts(cfg: Config, model_dir: str, rows: Sequence[dict]) -> None:
         tokenizer = Tokenizer.from_file(str(tokenizer_file))
     except Exception:  # noqa: BLE001 - an unreadable tokenizer is the nodes' to report
         return
-    texts = [
-        "".join(str(m.get("content", "")) for m in r["messages"] if isinstance(m, dict))
+    texts = [  # text contents only: another kind (a list of parts) has no sure lower bound
+        "".join(m["content"] for m in r["messages"] if isinstance(m, dict) and _text(m))
         for r in sample
     ]
     lengths = [len(e.ids) for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
@@ -118,6 +118,10 @@ def check_prompts(cfg: Config, model_dir: str, rows: Sequence[dict]) -> None:
             f"{max(over)} tokens), so their rollouts would fail; raise data.max_prompt_len "
             "above that, or set data.prompt_overflow=truncate to keep each prompt's last tokens"
         )
+
+
+def _text(message: dict) -> bool:
+    return isinstance(message.get("content"), str)
 
 
 def check_server(cfg: Config, engines: Sequence[EngineSpec]) -> None:
