@@ -33,6 +33,8 @@ class StatsLogger:
         self.run_id = run_id or new_run_id()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.run_dir / "metrics.jsonl" if jsonl else None
+        if self.jsonl_path is not None:
+            _drop_cut_row(self.jsonl_path)
         self._jsonl = open(self.jsonl_path, "a") if self.jsonl_path else None  # noqa: SIM115
         self._tb = None
         if tensorboard:
@@ -71,6 +73,28 @@ class StatsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def _drop_cut_row(path: Path) -> None:
+    """Cut ``path`` back to its last complete row. Each row is written with its newline in one
+    write, so a file that ends without one ends in a row its process died writing (SIGKILL, a
+    lost node); a resumed run appending after it would join the two into one unreadable line."""
+    try:
+        with open(path, "rb+") as f:
+            size = f.seek(0, 2)
+            if size == 0:
+                return
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return
+            tail = min(size, 1 << 20)  # a row is far shorter; past this, keep the file as it is
+            f.seek(size - tail)
+            end = f.read(tail).rfind(b"\n")
+            if end < 0 and tail < size:
+                return
+            f.truncate(size - tail + end + 1)
+    except FileNotFoundError:
+        return
 
 
 def _plain(v: Any) -> Any:

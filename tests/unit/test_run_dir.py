@@ -205,6 +205,23 @@ def test_metrics_rows_carry_the_run_id(tmp_path):
     assert fresh.run_id and fresh.run_id != StatsLogger(tmp_path / "o2", tensorboard=False).run_id
 
 
+def test_a_resumed_run_drops_the_row_its_killed_process_cut_and_appends_whole_rows(tmp_path):
+    logger = StatsLogger(tmp_path, tensorboard=False, run_id="first")
+    logger.log(1, {"a": 1.0})
+    logger.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "run_id": "first", "a"')  # killed mid-write: no newline
+    logger = StatsLogger(tmp_path, tensorboard=False, run_id="second")
+    logger.log(2, {"a": 2.0})
+    logger.close()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["run_id"]) for r in rows] == [(1, "first"), (2, "second")]
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "metrics.jsonl").write_text('{"step": 1')  # the only row, cut
+    StatsLogger(tmp_path / "cut", tensorboard=False).close()
+    assert (tmp_path / "cut" / "metrics.jsonl").read_text() == ""
+
+
 def test_keep_previous_keeps_a_different_config(tmp_path):
     file = tmp_path / "config.yaml"
     assert keep_previous(file, "a") is None
