@@ -73,9 +73,10 @@ def configure(path: str, overrides: list[str]) -> tuple[Config, Plan, int]:
         if refused is None:
             raise
         raise refused from None  # the plan of an invalid config: the config's own error
-    if refused is not None and any(n.gpu_ids for n in plan.nodes):
+    on_gpu = any(n.gpu_ids for n in plan.nodes)
+    if refused is not None and on_gpu:
         raise refused
-    if hasattr(recipe, "cpu_preset") and not any(n.gpu_ids for n in plan.nodes):
+    if hasattr(recipe, "cpu_preset") and not on_gpu:
         cfg = load_recipe(path, recipe)
         apply_cpu_preset(path, recipe, cfg)
         cfg = apply_overrides(cfg, overrides)

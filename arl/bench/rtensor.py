@@ -26,13 +26,11 @@ import torch
 import zmq
 import zmq.asyncio
 
-from arl.bench import positive_int, size_mib
+from arl.bench import MIB, positive_int, size_mib
 from arl.node.data_plane import DEFAULT_CHUNK_BYTES, DataPlaneClient, DataPlaneServer
 from arl.node.shard_store import ShardStore
 from arl.protocol.rtensor import ShardRef
 from arl.wire.sockets import Authenticator, Security, bind_tcp, make_socket, new_secret
-
-MIB = 1 << 20
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

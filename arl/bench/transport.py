@@ -40,7 +40,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from arl.bench import positive_int, size_list_mib
+from arl.bench import MIB, positive_int, size_list_mib
 from arl.control.controller import Controller
 from arl.control.launcher import LocalNodes
 from arl.event_loop import loop_name, run_loop
@@ -48,7 +48,6 @@ from arl.protocol.proxy import proxy
 from arl.wire.codec import Message, encode_message
 from arl.wire.sockets import LoopSocket, Security, new_secret
 
-MIB = 1 << 20
 P50_TARGET_US = 200.0
 HTTP_RATIO_TARGET = 5.0
 
