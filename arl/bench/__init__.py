@@ -1,7 +1,9 @@
 """Benchmarks: ``python -m arl.bench NAME`` (see `arl.bench.__main__`), and what they share.
 
-The argparse types below refuse a bad number while the command line is parsed (usage, one
-``error:`` line, exit 2), before a benchmark starts a process or writes a file.
+The argparse types below refuse a bad number, or a result file that would replace one already
+there, while the command line is parsed (usage, one ``error:`` line, exit 2), before a benchmark
+starts a process or writes a file. A benchmark replaces only what a benchmark made: its own run
+folders (`fresh_run_dir`, marked with `BENCH_MARK`), never a file a user named.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -18,7 +21,9 @@ from arl.config import ConfigError
 BENCH_MARK = ".arl-bench"  # in every run folder a benchmark made, so a later one may replace it
 
 
-def fresh_run_dir(path: Path) -> None:
+def fresh_run_dir(
+    path: Path, flag: str = "--run-dir, or experiment.name / experiment.trial"
+) -> None:
     """Make ``path`` an empty run folder for a benchmark's run.
 
     A folder an earlier benchmark made (it holds `BENCH_MARK`) is removed first; any other
@@ -32,11 +37,50 @@ def fresh_run_dir(path: Path) -> None:
             raise ConfigError(
                 f"{path} already holds files and no {BENCH_MARK} marker of a benchmark's run; "
                 "a benchmark replaces its run folder on every run, so give it one of its own "
-                "(--run-dir, or experiment.name / experiment.trial), or remove this one if it "
+                f"({flag}), or remove this one if it "
                 "is an earlier benchmark's (benchmarks of arl before the marker left none)"
             )
     path.mkdir(parents=True, exist_ok=True)
     (path / BENCH_MARK).write_text("made by python -m arl.bench; the next benchmark replaces it\n")
+
+
+def new_file(text: str) -> Path:
+    """An argparse type: where a benchmark writes its figures, a path that holds nothing yet.
+
+    The file there may be a user's or figures they mean to keep; it is refused, not replaced.
+    A missing folder is made when the figures are written (`write_new`).
+    """
+    path = Path(text)
+    if path.exists() or path.is_symlink():
+        raise argparse.ArgumentTypeError(
+            f"{path} exists; pass another path (the file is left as it is)"
+        )
+    return path
+
+
+def write_new(path: Path, text: str) -> Path:
+    """Write a benchmark's figures to ``path`` (checked by `new_file`) and return where they went.
+
+    A file that appeared there while the benchmark ran is left as it is: the figures go to the
+    first free ``<stem>-N<suffix>`` beside it, and stderr says so, so minutes of measuring are
+    neither lost nor written over anything.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    target, n = path, 0
+    while True:
+        try:
+            with target.open("x") as f:
+                f.write(text)
+        except FileExistsError:
+            n += 1
+            target = path.with_name(f"{path.stem}-{n}{path.suffix}")
+            continue
+        if target != path:
+            print(
+                f"{path} appeared while the benchmark ran; figures written to {target}",
+                file=sys.stderr,
+            )
+        return target
 
 
 MIB = 1 << 20

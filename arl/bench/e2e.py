@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from arl.run import run
 
+    fresh_run_dir(a.out, "--out")  # the traces and the timeline go here, beside the runs
     results, traces = {}, {}
     for eta, cfg in configs.items():
         fresh_run_dir(cfg.run_path)

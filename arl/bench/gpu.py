@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from arl.bench import positive_int
+from arl.bench import new_file, positive_int, write_new
 
 NOMINAL_HBM_TB_S = 4.8  # H200 datasheet
 SMOLLM2_135M = dict(
@@ -658,7 +658,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--train-variants", nargs="*", default=["padded", "packed", "packed+compile"])
     p.add_argument("--sync-modes", nargs="*", default=["ipc_buffer", "ipc", "zmq", "disk"])
-    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    p.add_argument(
+        "--json", type=new_file, default=None, help="also write the figures here (a new file)"
+    )
     args = p.parse_args(argv)
     if args.mixed_max - args.new_tokens < 64:
         p.error(f"--mixed-max must be at least --new-tokens + 64, got {args.mixed_max}")
@@ -691,7 +693,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.environ.setdefault("ARL_CACHE", str(Path(tmp) / "cache"))
             results["sync"] = run_sync(args, path, floors)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        write_new(args.json, json.dumps(results, indent=1))
     return 0
 
 

@@ -19,7 +19,8 @@ That step and the next (where the profiler stops) are left out of the medians; t
 written after the run.
 
 Without a GPU a small preset (2 groups x 2 samples x 8 tokens, no evaluation) runs first so CI
-can smoke-test it; overrides come last and win. ``--out FILE`` writes the figures as JSON, with
+can smoke-test it; overrides come last and win. ``--out FILE`` writes the figures as JSON to a
+new file (an existing one is refused), with
 issue 16's keys under ``issue16``.
 
     python -m arl.bench loop --steps 60 cluster.n_gpus=1
@@ -38,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from arl.bench import fresh_run_dir
+from arl.bench import fresh_run_dir, new_file, write_new
 from arl.bench.e2e import bench_config
 from arl.config import Config, ConfigError
 from arl.control.placement import detect_gpus
@@ -418,7 +419,9 @@ def main(argv: list[str] | None = None) -> int:
         "shorter run; 0: none)",
     )
     p.add_argument("--run-dir", type=Path, default=Path("runs/bench-loop"))
-    p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    p.add_argument(
+        "--out", type=new_file, default=None, help="write the figures as JSON here (a new file)"
+    )
     p.add_argument("overrides", nargs="*", help="config overrides key=value (applied last)")
     a = p.parse_intermixed_args(args)
     if a.steps < 2:
@@ -505,8 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nissue 16 keys: {json.dumps(m['issue16'])}")
     print(f"\ncommand: python -m arl.bench loop {' '.join(args)}")
     if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(m, indent=1, default=str))
+        write_new(a.out, json.dumps(m, indent=1, default=str))
     return 0
 
 

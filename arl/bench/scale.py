@@ -41,6 +41,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from arl.bench import fresh_run_dir, new_file, write_new
+
 # Qwen2.5 shapes (config.json of the released models), random weights.
 SHAPES: dict[str, dict[str, Any]] = {
     "q1p5b": dict(
@@ -232,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--models", type=Path, default=Path("runs/bench-scale-models"))
     p.add_argument("--run-dir", type=Path, default=Path("runs/bench-scale"))
-    p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    p.add_argument(
+        "--out", type=new_file, default=None, help="write the figures as JSON here (a new file)"
+    )
     p.add_argument("overrides", nargs="*", help="config overrides key=value (applied last)")
     a = p.parse_intermixed_args(args)
     if a.steps < 2:
@@ -240,7 +244,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
-    from arl.bench import fresh_run_dir
     from arl.bench.gpu import measure_floors
     from arl.bench.loop import loop_config, run_loop, summarize
     from arl.stats.logger import read_jsonl
@@ -310,8 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     print(report(fig))
     print(f"\ncommand: python -m arl.bench scale {' '.join(args)}")
     if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(fig | {"loop": m}, indent=1, default=str))
+        write_new(a.out, json.dumps(fig | {"loop": m}, indent=1, default=str))
     return 0
 
 

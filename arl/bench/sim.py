@@ -327,6 +327,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the sim for every eta and print the table."""
     a = _parse(argv)
+    fresh_run_dir(a.out, "--out")  # the runs and the timeline go here
     results = []
     for eta in a.eta:
         spec = SimSpec(

@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from arl.bench import fresh_run_dir, positive_float
+from arl.bench import fresh_run_dir, new_file, positive_float, write_new
 from arl.config import ConfigError, apply_overrides
 from arl.recipe import load_recipe
 from arl.stats.logger import read_jsonl
@@ -258,7 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipe", default="recipes/arith.py")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--run-dir", type=Path, default=Path("runs/bench-startup"))
-    p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    p.add_argument(
+        "--out", type=new_file, default=None, help="write the figures as JSON here (a new file)"
+    )
     p.add_argument("--timeout", type=positive_float, default=900.0, help="seconds per run")
     p.add_argument("overrides", nargs="*", help="config overrides key=value, passed to the runs")
     a = p.parse_intermixed_args(args)
@@ -317,8 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\narl cache (compiled code): {cache} ({_size_mb(cache):.0f} MB after both runs)")
     print(f"command: python -m arl.bench startup {' '.join(args)}")
     if a.out is not None:
-        a.out.write_text(json.dumps(out, indent=1) + "\n")
-        print(f"figures: {a.out}")
+        print(f"figures: {write_new(a.out, json.dumps(out, indent=1) + chr(10))}")
     shutil.rmtree(cache, ignore_errors=True)  # compiled code only; the next bench starts cold
     return 0
 

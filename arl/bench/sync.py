@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from arl.bench import fresh_run_dir
+from arl.bench import fresh_run_dir, new_file, write_new
 from arl.bench.e2e import CPU_PRESET
 from arl.config import Config, ConfigError, apply_overrides
 from arl.control.placement import detect_gpus
@@ -121,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", nargs="+", default=["auto", "zmq"])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--out", type=Path, default=Path("runs/bench-sync"))
-    p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    p.add_argument(
+        "--json", type=new_file, default=None, help="also write the figures here (a new file)"
+    )
     p.add_argument("overrides", nargs="*", help="config overrides key=value (applied last)")
     a = p.parse_args(args)
     try:
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     print(report(results, bandwidth, torch.cuda.get_device_name() if device == "cuda" else "CPU"))
     print(f"\ncommand: python -m arl.bench sync {' '.join(args)}")
     if a.json:
-        a.json.write_text(json.dumps({"copy_bytes_per_s": bandwidth, "modes": results}, indent=1))
+        write_new(a.json, json.dumps({"copy_bytes_per_s": bandwidth, "modes": results}, indent=1))
     return 0
 
 

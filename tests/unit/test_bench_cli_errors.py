@@ -10,7 +10,15 @@ import types
 
 import pytest
 
-from arl.bench import int_at_least, positive_float, positive_int, size_list_mib, size_mib
+from arl.bench import (
+    int_at_least,
+    new_file,
+    positive_float,
+    positive_int,
+    size_list_mib,
+    size_mib,
+    write_new,
+)
 from arl.bench.__main__ import BENCHMARKS
 from arl.bench.__main__ import main as bench
 from arl.config import ConfigError
@@ -97,3 +105,46 @@ def test_the_sim_report_of_a_synchronous_run_alone_judges_no_target():
     rows = [{"step": s, "rollout/staleness": [0]} for s in (1, 2)]
     text = report([SimResult(SimSpec(eta=0), None, rows, probes, 0, [])])
     assert "| 0 | 3,600 |" in text and "target:" not in text
+
+
+def test_a_result_file_that_exists_is_refused_before_anything_starts(tmp_path, capsys):
+    """`--out`/`--json` name a new file: one already there is the user's and is left as it is."""
+    mine = tmp_path / "mine.json"
+    mine.write_text("kept")
+    for argv in (["startup", "--out", str(mine)], ["sync", "--json", str(mine)]):
+        with pytest.raises(SystemExit) as info:
+            bench(argv)
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"error: argument {argv[1]}: {mine} exists; pass another path" in err, err
+        assert "Traceback" not in err
+    assert mine.read_text() == "kept"
+
+
+def test_figures_go_beside_a_file_that_appeared_while_the_benchmark_ran(tmp_path, capsys):
+    out = new_file(str(tmp_path / "figures" / "loop.json"))  # a missing folder is made
+    assert write_new(out, "one") == out and out.read_text() == "one"
+    assert write_new(out, "two") == tmp_path / "figures" / "loop-1.json"
+    assert write_new(out, "three") == tmp_path / "figures" / "loop-2.json"
+    assert out.read_text() == "one"
+    assert "appeared while the benchmark ran; figures written to" in capsys.readouterr().err
+    with pytest.raises(argparse.ArgumentTypeError, match="exists; pass another path"):
+        new_file(str(out))
+
+
+def test_an_output_folder_a_benchmark_did_not_make_is_refused(tmp_path):
+    """e2e and sim write their traces and timeline into --out: only a benchmark's own folder
+    (its marker inside) is replaced, and the error names --out."""
+    from arl.bench import BENCH_MARK, fresh_run_dir
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "timeline.png").write_text("a user's")
+    with pytest.raises(ConfigError, match=r"\(--out\)"):
+        fresh_run_dir(theirs, "--out")
+    assert (theirs / "timeline.png").read_text() == "a user's"
+    ours = tmp_path / "ours"
+    fresh_run_dir(ours, "--out")
+    (ours / "trace_eta0.json").write_text("an earlier benchmark's")
+    fresh_run_dir(ours, "--out")
+    assert [p.name for p in ours.iterdir()] == [BENCH_MARK]
