@@ -20,8 +20,7 @@ written after the run.
 
 Without a GPU a small preset (2 groups x 2 samples x 8 tokens, no evaluation) runs first so CI
 can smoke-test it; overrides come last and win. ``--out FILE`` writes the figures as JSON to a
-new file (an existing one is refused), with
-issue 16's keys under ``issue16``.
+new file (an existing one is refused), with issue 16's keys under ``issue16``.
 
     python -m arl.bench loop --steps 60 cluster.n_gpus=1
     python -m arl.bench loop --recipe recipes/gsm8k.py --steps 10 --out gsm8k.json
