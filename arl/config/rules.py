@@ -12,6 +12,7 @@ between fields (`arl.config.validate`) call it too.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -130,13 +131,36 @@ def import_problem(target: str, prefixes: list[str] | tuple[str, ...]) -> str:
     return ""
 
 
+def call_problem(obj: Any, args: tuple[str, ...], kwargs: tuple[str, ...] = ()) -> str:
+    """Why ``obj`` cannot be called as arl calls it, with the positional ``args`` and keyword
+    ``kwargs`` named here ("" when it can): found at launch, not in the nodes' first call."""
+    call = ", ".join([*args, *(f"{k}=..." for k in kwargs)])
+    if not callable(obj):
+        return f"is a {type(obj).__name__} object, not callable; arl calls it with ({call})"
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):  # no signature to read (some builtins): the call will tell
+        return ""
+    try:
+        signature.bind(*args, **dict.fromkeys(kwargs))
+    except TypeError as e:
+        plain = signature.replace(  # the names and defaults are what matter here
+            parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+            return_annotation=signature.empty,
+        )
+        return f"arl calls it with ({call}), but its signature is {plain} ({e})"
+    return ""
+
+
 @attrs.frozen
 class ImportPath:
     """An import string ``module:attribute`` under ``cluster.allowed_import_prefixes``, imported
-    to prove it resolves (``optional``: empty means not used)."""
+    to prove it resolves (``optional``: empty means not used); ``called_with``: the positional
+    arguments arl calls it with, so that one which cannot take them is refused here."""
 
     optional: bool = False
     note: str = ""
+    called_with: tuple[str, ...] | None = None
 
     def describe(self) -> str:
         return "an import path module:attribute" + (" or empty" if self.optional else "")
@@ -144,7 +168,11 @@ class ImportPath:
     def problem(self, value: Any, cfg: Any) -> str:
         if self.optional and not value:
             return ""
-        return import_problem(value, cfg.cluster.allowed_import_prefixes)
+        prefixes = cfg.cluster.allowed_import_prefixes
+        problem = import_problem(value, prefixes)
+        if problem or self.called_with is None:
+            return problem
+        return call_problem(resolve_import(value, prefixes), self.called_with)
 
 
 @attrs.frozen

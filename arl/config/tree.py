@@ -260,7 +260,7 @@ class RolloutConfig:
         "arl.rewards.gsm8k:gsm8k_reward",
         "reward function, module:attribute: (completion, data) -> float, async def or plain def "
         "(a plain one runs in a thread)",
-        rule=ImportPath(),
+        rule=ImportPath(called_with=("completion", "data")),
     )
     server_python: str = _f("python", "interpreter that runs vllm/sglang servers")
     server_args: list[str] = _f(help="extra command-line arguments for the server", factory=list)
@@ -306,7 +306,7 @@ class RolloutConfig:
         "",
         "agent function `async def run(client, data)`, module:attribute (used with "
         "workflow=arl.workflows.agent:AgentWorkflow; the client is OpenAI-shaped)",
-        rule=ImportPath(optional=True),
+        rule=ImportPath(optional=True, called_with=("client", "data")),
     )
     agent_trajectory: Literal["concat", "individual"] = _f(
         "concat",
@@ -322,7 +322,7 @@ class RolloutConfig:
         "",
         "accept function on finished groups, module:attribute (a GroupReport -> bool), e.g. "
         "arl.filters:nonconstant_reward (DAPO dynamic sampling); empty: accept all",
-        rule=ImportPath(optional=True),
+        rule=ImportPath(optional=True, called_with=("report",)),
     )
     max_consecutive_rejections: int = _f(
         256,
@@ -517,7 +517,7 @@ class DataConfig:
     loader: str = _f(
         "arl.data.gsm8k:load_gsm8k",
         "import string of (path, split, on_bad_row) -> (rows, stats); rows carry 'messages'",
-        rule=ImportPath(),
+        rule=ImportPath(called_with=("path", "split", "on_bad_row")),
     )
     train_split: str = _f("train", "split (file stem) used for training")
     eval_split: str = _f("test", "split (file stem) used for evaluation")

@@ -11,7 +11,7 @@ import attrs
 
 from arl.config.backend import parse_backend
 from arl.config.errors import ConfigError
-from arl.config.rules import import_problem
+from arl.config.rules import call_problem, import_problem
 from arl.config.tree import CHECKS, Config, field_keys, get_key
 from arl.protocol.imports import resolve_import
 
@@ -238,19 +238,27 @@ def _batch_rules(cfg: Config, check: Check) -> None:
 
 
 _AGENT_WORKFLOW = "arl.workflows.agent:AgentWorkflow"
-# Constructor arguments the rollout node passes itself (`arl.node.rollout.RolloutWorker`).
-_PASSED_BY_ARL = ("tokenizer", "reward_fn", "sampling", "n_samples", "max_prompt_len")
-_PASSED_BY_ARL += ("prompt_overflow", "agent", "trajectory", "turn_discount")
+# Constructor arguments the rollout node passes itself (`arl.node.rollout.RolloutWorker`): the
+# first by position, then keywords, then (with rollout.agent, by
+# `arl.control.workers.start_rollout_workers`) the agent workflow's.
+_WORKFLOW_ARGS = ("tokenizer", "reward_fn", "sampling")
+_WORKFLOW_KWARGS = ("n_samples", "max_prompt_len", "prompt_overflow")
+_AGENT_KWARGS = ("agent", "trajectory", "turn_discount")
+_PASSED_BY_ARL = (*_WORKFLOW_ARGS, *_WORKFLOW_KWARGS, *_AGENT_KWARGS)
 
 
 def _workflow_rules(cfg: Config, check: Check) -> None:
     """The workflow class against the keys that configure it: ``rollout.agent`` needs the agent
-    workflow (or a subclass), ``rollout.workflow_args`` only keywords its constructor takes."""
+    workflow (or a subclass), ``rollout.workflow_args`` only keywords its constructor takes;
+    and the class itself: built as the rollout node builds it, with an ``arun_episode``."""
     r = cfg.rollout
     prefixes = cfg.cluster.allowed_import_prefixes
     if import_problem(r.workflow, prefixes):
         return  # reported by its field
     workflow = resolve_import(r.workflow, prefixes)
+    if not callable(workflow):
+        check("rollout.workflow", False, call_problem(workflow, _WORKFLOW_ARGS))
+        return
     agent_base = resolve_import(_AGENT_WORKFLOW, ("arl.",))
     is_agent = isinstance(workflow, type) and issubclass(workflow, agent_base)
     check(
@@ -273,16 +281,28 @@ def _workflow_rules(cfg: Config, check: Check) -> None:
         "set those instead",
     )
     params = inspect.signature(workflow).parameters.values()
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return  # takes any keyword
     takes = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
     unknown = sorted(set(r.workflow_args) - set(takes) - set(_PASSED_BY_ARL))
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        unknown = []  # takes any keyword
     own = [t for t in takes if t not in _PASSED_BY_ARL]
     check(
         "rollout.workflow_args",
         not unknown,
         f"{r.workflow} takes no keyword argument {', '.join(unknown)}; "
         + (f"it takes {', '.join(own)}" if own else "it takes none but arl's own"),
+    )
+    if unknown or is_agent != bool(r.agent):
+        return  # reported above
+    passed = [*_WORKFLOW_KWARGS, *(_AGENT_KWARGS if r.agent else ()), *r.workflow_args]
+    problem = call_problem(workflow, _WORKFLOW_ARGS, tuple(dict.fromkeys(passed)))
+    check("rollout.workflow", not problem, problem)
+    check(
+        "rollout.workflow",
+        not isinstance(workflow, type) or callable(getattr(workflow, "arun_episode", None)),
+        f"class {workflow.__qualname__} has no arun_episode method; a workflow class defines "
+        "async def arun_episode(self, engine, data, sampling=None, n_samples=None) "
+        "(arl.workflows.base.Workflow)",
     )
 
 

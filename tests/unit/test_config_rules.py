@@ -82,3 +82,60 @@ def test_workflow_args_round_trip_through_yaml():
     cfg = apply_overrides(Config(), ["rollout.workflow_args={note: x, depth: [1, 2]}"])
     assert cfg.rollout.workflow_args == {"note": "x", "depth": [1, 2]}
     assert from_yaml(to_yaml(cfg)) == cfg
+
+
+MISFITS = "cluster.allowed_import_prefixes=[arl.,tests.]"
+
+
+@pytest.mark.parametrize(
+    ("override", "problem"),
+    [
+        (
+            "rollout.reward=tests.support.misfits:no_arguments",
+            "rollout.reward='tests.support.misfits:no_arguments': arl calls it with "
+            "(completion, data), but its signature is () (too many positional arguments)",
+        ),
+        (
+            "rollout.reward=tests.support.misfits:SETTINGS",
+            "is a Settings object, not callable; arl calls it with (completion, data)",
+        ),
+        ("rollout.filter=tests.support.misfits:no_arguments", "arl calls it with (report)"),
+        (
+            "data.loader=tests.support.misfits:loader_without_on_bad_row",
+            "arl calls it with (path, split, on_bad_row), but its signature is (path, split)",
+        ),
+        (
+            "rollout.workflow=tests.support.misfits:TwoArgumentWorkflow",
+            "arl calls it with (tokenizer, reward_fn, sampling, n_samples=..., max_prompt_len=..., "
+            "prompt_overflow=...), but its signature is (tokenizer, reward_fn)",
+        ),
+        (
+            "rollout.workflow=tests.support.misfits:Settings",
+            "class Settings has no arun_episode method",
+        ),
+        (
+            "rollout.workflow=tests.support.misfits:SETTINGS",
+            "is a Settings object, not callable",
+        ),
+    ],
+)
+def test_a_plugin_that_cannot_take_the_arguments_arl_passes_is_refused(override, problem):
+    cfg = apply_overrides(Config(), [override, MISFITS])
+    with pytest.raises(ConfigError) as e:
+        cfg.validate()
+    assert problem in str(e.value)
+
+
+def test_an_agent_that_cannot_take_client_and_data_is_refused():
+    cfg = apply_overrides(
+        Config(),
+        [
+            "rollout.workflow=arl.workflows.agent:AgentWorkflow",
+            "rollout.agent=tests.support.misfits:no_arguments",
+            MISFITS,
+        ],
+    )
+    with pytest.raises(ConfigError, match=r"rollout.agent=.*arl calls it with \(client, data\)"):
+        cfg.validate()
+    good = [*AGENT, "rollout.workflow=arl.workflows.agent:AgentWorkflow"]
+    apply_overrides(Config(), good).validate()  # the example agent takes (client, data)
