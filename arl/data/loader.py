@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from arl.config import Config
+from arl.data.gsm8k import DatasetError
 from arl.protocol.imports import resolve_import
 
 log = logging.getLogger("arl.data")
@@ -25,11 +26,38 @@ def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
 def load_rows(cfg: Config, split: str) -> list[dict]:
     """Dataset rows of ``split`` through ``data.loader`` (rows carry chat ``messages``)."""
     loader = resolve_import(cfg.data.loader, tuple(cfg.cluster.allowed_import_prefixes))
-    rows, stats = loader(cfg.data.path, split, cfg.data.on_bad_row)
+    rows, stats = _loaded(loader(cfg.data.path, split, cfg.data.on_bad_row))
     skipped = stats.skipped if hasattr(stats, "skipped") else stats.get("skipped", 0)
     if skipped:
         log.warning("%s/%s: skipped %d malformed rows", cfg.data.path, split, skipped)
     return rows
+
+
+_CONTRACT = (
+    "a loader returns (rows, stats): rows a list of dicts (chat 'messages' and what the reward "
+    "reads), stats a dict such as {'skipped': 0} or an object with .skipped"
+)
+
+
+def _loaded(out: Any) -> tuple[Sequence[dict], Any]:
+    """A loader's ``(rows, stats)``, checked: one of another shape is refused (`DatasetError`)
+    here, not met as an exception wherever the rows are first read."""
+    if not isinstance(out, tuple | list) or len(out) != 2:
+        raise DatasetError(f"the loader returned {_what(out)}, not (rows, stats); {_CONTRACT}")
+    rows, stats = out
+    if isinstance(rows, str | bytes | dict) or not isinstance(rows, Sequence):
+        raise DatasetError(f"the loader's rows are {_what(rows)}, not a list; {_CONTRACT}")
+    bad = next((r for r in rows if not isinstance(r, dict)), None)
+    if bad is not None:
+        raise DatasetError(f"the loader's rows hold {_what(bad)}, not only dicts; {_CONTRACT}")
+    if not (hasattr(stats, "skipped") or isinstance(stats, dict)):
+        raise DatasetError(f"the loader's stats are {_what(stats)}; {_CONTRACT}")
+    return rows, stats
+
+
+def _what(value: Any) -> str:
+    text = repr(value)
+    return f"{text[:60]}{'...' if len(text) > 60 else ''} ({type(value).__name__})"
 
 
 class StatefulLoader:

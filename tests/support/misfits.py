@@ -32,3 +32,17 @@ class TwoArgumentWorkflow:
     async def arun_episode(self, engine: Any, data: dict, sampling: Any = None, n: Any = None):
         """Never reached: the constructor is refused first."""
         return None
+
+
+def loader_returning_rows_only(path: str, split: str, on_bad_row: str) -> list[dict]:
+    """A loader that forgot the stats: rows alone."""
+    return [{"messages": [{"role": "user", "content": "1 + 1?"}], "answer": "2"}]
+
+
+def loader_returning_none(path: str, split: str, on_bad_row: str) -> None:
+    """A loader that forgot to return."""
+
+
+def loader_of_strings(path: str, split: str, on_bad_row: str) -> tuple[list[str], dict]:
+    """A loader whose rows are prompts as plain strings, not dicts."""
+    return ["1 + 1?", "2 + 2?"], {}

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from arl.config import Config, apply_overrides
 from arl.data.arith import make_arith
 from arl.data.gsm8k import DatasetError, build_messages, gsm8k_gold, load_gsm8k
 from arl.data.loader import StatefulLoader
+from arl.preflight import InputError, check_data
 
 GOOD = {
     "question": "Tom has 3 apples and buys 1,200 more. How many?",
@@ -279,3 +281,26 @@ def test_a_local_directory_is_read_without_the_hub(tmp_path):
     )
     with pytest.raises(DatasetError, match=r"no train.jsonl in .*splits there: \['test'\]"):
         load_gsm8k(str(tmp_path), "train")
+
+
+@pytest.mark.parametrize(
+    ("loader", "problem"),
+    [
+        ("loader_returning_rows_only", "the loader returned [{'messages'"),
+        ("loader_returning_none", "the loader returned None (NoneType), not (rows, stats)"),
+        ("loader_of_strings", "the loader's rows hold '1 + 1?' (str), not only dicts"),
+    ],
+)
+def test_a_loader_returning_another_shape_is_one_input_error(loader, problem):
+    cfg = apply_overrides(
+        Config(),
+        [
+            f"data.loader=tests.support.misfits:{loader}",
+            "cluster.allowed_import_prefixes=[arl.,tests.]",
+            "evaluator.freq_steps=none",
+        ],
+    )
+    with pytest.raises(InputError) as e:
+        check_data(cfg)
+    assert problem in str(e.value)
+    assert "a loader returns (rows, stats): rows a list of dicts" in str(e.value)
