@@ -14,6 +14,7 @@ import hashlib
 import inspect
 import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -51,25 +52,40 @@ class GroupTimeout(TimeoutError):
 
 
 def as_async_reward(fn: Any, target: str) -> Callable[[str, dict[str, Any]], Awaitable[float]]:
-    """``rollout.reward`` as the workflows call it: an ``async def`` as it is; a plain function
-    runs in a worker thread, so a slow score never blocks the node's event loop (a coroutine
-    it returns is awaited on the loop, but the function itself has no running loop: one that
-    schedules work on the loop must be an ``async def``). Anything not callable is refused
-    naming ``target``."""
+    """``rollout.reward`` as the workflows call it: an ``async def`` is awaited on the loop; a
+    plain function runs in a worker thread, so a slow score never blocks the node's event loop
+    (a coroutine it returns is awaited on the loop, but the function itself has no running
+    loop: one that schedules work on the loop must be an ``async def``). Anything not callable
+    is refused naming ``target``, and so is a score that is not a finite number."""
     if not callable(fn):
         raise TypeError(
             f"rollout.reward={target} is a {type(fn).__name__}, not a function; name a function "
             "(completion: str, data: dict) -> float, plain or async def"
         )
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
-        return fn
+    on_loop = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
     @functools.wraps(fn)
     async def reward(completion: str, data: dict[str, Any]) -> float:
-        out = await asyncio.to_thread(fn, completion, data)
-        return await out if inspect.isawaitable(out) else out
+        out = fn(completion, data) if on_loop else await asyncio.to_thread(fn, completion, data)
+        return _score(await out if inspect.isawaitable(out) else out, target)
 
     return reward
+
+
+def _score(out: Any, target: str) -> float:
+    """A reward's return as a float; one that is not a finite number is refused naming the
+    reward (a NaN would only show as training steps skipped for a non-finite gradient)."""
+    try:
+        value = float(out)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or not math.isfinite(value):
+        shown = repr(out)[:80]
+        raise TypeError(
+            f"rollout.reward={target} returned {shown} ({type(out).__name__}), not a finite "
+            "number; a reward returns a float (e.g. 1.0 for a correct answer, 0.0 otherwise)"
+        )
+    return value
 
 
 class RolloutWorker(UsesNode):
@@ -135,10 +151,9 @@ class RolloutWorker(UsesNode):
             from transformers import AutoTokenizer
 
             t.append(time.perf_counter())
-            reward_fn = as_async_reward(
-                resolve_import(self.reward_target, prefixes), self.reward_target
-            )
-            warm_up = getattr(reward_fn, "warm_up", None)
+            scorer = resolve_import(self.reward_target, prefixes)
+            reward_fn = as_async_reward(scorer, self.reward_target)
+            warm_up = getattr(scorer, "warm_up", None)
             if callable(warm_up):  # e.g. verify workers, whose imports overlap the engine's load
                 started = warm_up()
                 if asyncio.iscoroutine(started):
