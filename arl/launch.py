@@ -171,7 +171,14 @@ def main(argv: list[str] | None = None) -> int:
     from arl.ckpt.recovery import ResumeRefused, check_resume, read_latest, resume_keys
     from arl.control.cluster import run_security
     from arl.engines.model import ModelResolutionError
-    from arl.preflight import InputError, check_data, check_model, check_prompts, check_server
+    from arl.preflight import (
+        InputError,
+        check_cache,
+        check_data,
+        check_model,
+        check_prompts,
+        check_server,
+    )
     from arl.run_dir import RunDirError, claim_run_dir, keep_previous
     from arl.supervisor import supervise
 
@@ -179,9 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     claim = None
     try:
         # Everything a user can get wrong is checked before any node starts or any file is
-        # written: the run secret, the model, the server's interpreter, the data and its
-        # prompts' length, then the run directory (lock, earlier run, writability).
+        # written: the run secret, the cache folder, the model, the server's interpreter, the
+        # data and its prompts' length, then the run directory (lock, earlier run, writability).
         run_security(cfg)
+        check_cache()
         model_dir = check_model(cfg)
         check_server(cfg, engines)
         data = check_data(cfg)  # loaded once: the run (and its restarts) use these rows

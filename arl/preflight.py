@@ -1,6 +1,6 @@
-"""Checks of a run's inputs before any node starts: the model folders, the dataset splits, the
-prompts' length against ``data.max_prompt_len``, and the interpreter of an inference server the
-nodes would start on this machine.
+"""Checks of a run's inputs before any node starts: the arl cache folder, the model folders, the
+dataset splits, the prompts' length against ``data.max_prompt_len``, and the interpreter of an
+inference server the nodes would start on this machine.
 
 The nodes would find the same faults, but only after every process started and loaded what it
 could; here they become one `InputError` naming the setting, the file and what to do.
@@ -8,6 +8,7 @@ could; here they become one `InputError` naming the setting, the file and what t
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -27,6 +28,31 @@ _FIND = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec(sys.
 class InputError(RuntimeError):
     """A model, dataset or server interpreter the config names cannot be used (the message
     says which and why)."""
+
+
+def check_cache() -> Path:
+    """The arl cache folder (`arl.cache.cache_root`: ``$ARL_CACHE``, else ``~/.cache/arl``) must
+    be a folder this user can write: the default model is converted into it and every node's
+    compiled code is kept there (`arl.compile_cache`), so a file or a read-only folder there
+    would stop the run in the model check with a traceback, or in the nodes."""
+    from arl.cache import cache_root
+
+    root = cache_root()
+    given = os.environ.get("ARL_CACHE")
+    name = f"ARL_CACHE={given}" if given else f"the arl cache {root} (ARL_CACHE unset)"
+    probe = root / f".arl-write-probe-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as e:
+        blocker = next((p for p in [root, *root.parents] if p.exists() and not p.is_dir()), None)
+        why = f"{blocker} is a file" if blocker else (e.strerror or str(e))
+        raise InputError(
+            f"{name}: {root} is not a writable folder ({why}); arl keeps converted models and "
+            "compiled code there. Set ARL_CACHE to a folder you can write"
+        ) from e
+    return root
 
 
 def check_model(cfg: Config) -> str:

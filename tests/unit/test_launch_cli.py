@@ -1,5 +1,6 @@
 """``python -m arl.launch`` as a user runs it: exit codes, output, errors without tracebacks."""
 
+import os
 import socket
 import subprocess
 import sys
@@ -10,13 +11,14 @@ from arl.config import from_yaml
 REPO = Path(__file__).resolve().parents[2]
 
 
-def launch(*args: str) -> subprocess.CompletedProcess:
+def launch(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "arl.launch", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -186,6 +188,18 @@ def test_missing_data_is_refused_before_any_node_starts(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.startswith("error: data.path=") and f"no train.jsonl in {tmp_path}" in r.stderr
     assert "joined" not in r.stderr and "Traceback" not in r.stderr  # no node was started
+
+
+def test_an_arl_cache_that_is_a_file_is_refused_before_any_node_starts(tmp_path):
+    runs, cache = tmp_path / "runs", tmp_path / "cache"
+    cache.write_text("not a folder")
+    for given in (cache, cache / "below"):
+        r = launch("recipes/arith.py", f"experiment.run_dir={runs}", env={"ARL_CACHE": str(given)})
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert r.stderr.startswith(f"error: ARL_CACHE={given}: {given} is not a writable folder")
+        assert f"({cache} is a file)" in r.stderr and "Set ARL_CACHE to a folder" in r.stderr
+        assert "Traceback" not in r.stderr and not runs.exists()
+    assert cache.read_text() == "not a folder"
 
 
 def test_more_gpus_than_this_host_has_are_refused_for_the_local_launcher():
