@@ -19,11 +19,18 @@ from types import ModuleType
 from typing import Any
 
 from arl.config import Config, ConfigError
+from arl.config.rules import call_problem
 
 
 def import_recipe(path: str) -> ModuleType:
     """Import the recipe file at ``path`` as a module (it must define ``make_config``)."""
     file = Path(path)
+    if file.is_dir():
+        inside = sorted(str(p) for p in file.glob("*.py"))
+        raise ConfigError(
+            f"recipe {path!r} is a directory, not a Python file; name the recipe file"
+            + (f", e.g. {inside[0]}" if inside else " (this directory holds no .py file)")
+        )
     if not file.is_file():
         raise ConfigError(
             f"recipe {path!r} not found (expected a Python file such as recipes/gsm8k.py)"
@@ -44,6 +51,11 @@ def import_recipe(path: str) -> ModuleType:
         raise
     if not callable(getattr(module, "make_config", None)):
         raise ConfigError(f"recipe {path!r} defines no make_config() function returning a Config")
+    # Checked before they run: a call that fails on its arguments would be reported as raised
+    # inside arl rather than as the recipe's own mistake.
+    for name, args in (("make_config", ()), ("cpu_preset", ("cfg",))):
+        if hasattr(module, name) and (problem := call_problem(getattr(module, name), args)):
+            raise ConfigError(f"recipe {path}: {name}() {problem}")
     return module
 
 

@@ -136,7 +136,9 @@ def call_problem(obj: Any, args: tuple[str, ...], kwargs: tuple[str, ...] = ()) 
     ``kwargs`` named here ("" when it can): found at launch, not in the nodes' first call."""
     call = ", ".join([*args, *(f"{k}=..." for k in kwargs)])
     if not callable(obj):
-        return f"is a {type(obj).__name__} object, not callable; arl calls it with ({call})"
+        return (
+            f"is not callable (an object of type {type(obj).__name__}); arl calls it with ({call})"
+        )
     try:
         signature = inspect.signature(obj)
     except (TypeError, ValueError):  # no signature to read (some builtins): the call will tell

@@ -97,7 +97,7 @@ MISFITS = "cluster.allowed_import_prefixes=[arl.,tests.]"
         ),
         (
             "rollout.reward=tests.support.misfits:SETTINGS",
-            "is a Settings object, not callable; arl calls it with (completion, data)",
+            "is not callable (an object of type Settings); arl calls it with (completion, data)",
         ),
         ("rollout.filter=tests.support.misfits:no_arguments", "arl calls it with (report)"),
         (
@@ -115,7 +115,7 @@ MISFITS = "cluster.allowed_import_prefixes=[arl.,tests.]"
         ),
         (
             "rollout.workflow=tests.support.misfits:SETTINGS",
-            "is a Settings object, not callable",
+            "is not callable (an object of type Settings)",
         ),
     ],
 )

@@ -172,3 +172,32 @@ def test_a_recipe_file_named_like_an_override_is_still_the_recipe(tmp_path):
     r = launch("lr=1e-5.py", "--dry-run", "cluster.n_gpus=0", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "# resolved config" in r.stdout
+
+
+def test_a_directory_given_as_the_recipe_is_named_as_one(tmp_path):
+    (tmp_path / "mine.py").write_text(HEAD + MAKE)
+    with pytest.raises(
+        ConfigError, match=r"is a directory, not a Python file; .*e\.g\. .*mine\.py"
+    ):
+        import_recipe(str(tmp_path))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match=r"is a directory, .*holds no \.py file"):
+        import_recipe(str(empty))
+
+
+@pytest.mark.parametrize(
+    ("source", "says"),
+    [
+        (HEAD + "\n\ndef make_config(name):\n    return Config()\n", "make_config() arl calls"),
+        (HEAD + MAKE + "\n\ndef cpu_preset():\n    pass\n", "cpu_preset() arl calls it with (cfg)"),
+        (HEAD + MAKE + "\ncpu_preset = 5\n", "cpu_preset() is not callable"),
+    ],
+)
+def test_a_recipe_function_that_cannot_be_called_as_arl_calls_it_is_the_recipes_error(
+    tmp_path, source, says
+):
+    (tmp_path / "r.py").write_text(source)
+    with pytest.raises(ConfigError) as e:
+        import_recipe(str(tmp_path / "r.py"))
+    assert says in str(e.value) and "raised at" not in str(e.value)
