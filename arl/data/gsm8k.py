@@ -199,12 +199,19 @@ def _validate(
         if problem is not None:
             if on_bad_row == "error":
                 raise DatasetError(
-                    f"{source}:{lineno}: {problem}; fix the row or load with on_bad_row='skip'"
+                    f"{source}:{lineno}: {problem}; fix the row or load with on_bad_row='skip' "
+                    "(data.on_bad_row=skip)"
                 )
             reasons[problem.split(" (")[0]] += 1
             continue
         rows.append({**record, "messages": build_messages(record["question"])})
     stats = LoadStats(source, kept=len(rows), skipped=sum(reasons.values()), reasons=dict(reasons))
     if not rows:
-        raise DatasetError(f"{source}: no usable rows ({stats.skipped} malformed: {stats.reasons})")
+        found = (
+            f"all {stats.skipped} malformed: {stats.reasons}" if stats.skipped else "it is empty"
+        )
+        raise DatasetError(
+            f"{source}: no usable rows ({found}); a row is a JSON object with a text 'question' "
+            "and an 'answer' ending in '#### <number>', one per line"
+        )
     return rows, stats

@@ -304,3 +304,17 @@ def test_a_loader_returning_another_shape_is_one_input_error(loader, problem):
         check_data(cfg)
     assert problem in str(e.value)
     assert "a loader returns (rows, stats): rows a list of dicts" in str(e.value)
+
+
+def test_an_empty_split_file_says_it_is_empty_and_what_a_row_is(tmp_path):
+    (tmp_path / "train.jsonl").write_text("")
+    with pytest.raises(DatasetError) as e:
+        load_gsm8k(str(tmp_path), "train")
+    assert "train.jsonl: no usable rows (it is empty); a row is a JSON object" in str(e.value)
+    (tmp_path / "train.jsonl").write_text('{"question": "1 + 1?"}\n')
+    with pytest.raises(DatasetError, match=r"all 1 malformed: \{\"missing key 'answer'\": 1\}"):
+        load_gsm8k(str(tmp_path), "train")
+    with pytest.raises(
+        DatasetError, match=r"or load with on_bad_row='skip' \(data.on_bad_row=skip"
+    ):
+        load_gsm8k(str(tmp_path), "train", on_bad_row="error")
