@@ -13,6 +13,7 @@ writes a recovery checkpoint and exits 143 (130), and the same command resumes f
 """
 
 import asyncio
+import difflib
 import logging
 import os
 import re
@@ -118,12 +119,23 @@ def main(argv: list[str] | None = None) -> int:
     positional = [a for a in args if not a.startswith("-")]
     unknown = flags - {"--dry-run", "--help", "-h"}
     if unknown:
-        print(f"unknown option {sorted(unknown)[0]}\n\n{USAGE}", file=sys.stderr)
+        option = sorted(unknown)[0]
+        close = difflib.get_close_matches(option.split("=")[0], ["--dry-run", "--help"], n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        print(f"unknown option {option}{hint}\n\n{USAGE}", file=sys.stderr)
         return 2
     recipe = _find_recipe(positional)
     overrides = list(positional)
     if recipe is not None:
         overrides.remove(recipe)  # its first occurrence, which is the one chosen
+    more = [a for a in overrides if os.path.isfile(a) and not _OVERRIDE.match(a)]
+    if recipe is not None and more:
+        print(
+            f"error: more than one recipe given ({recipe}, {', '.join(more)}); a run takes one "
+            "recipe file, then key=value overrides",
+            file=sys.stderr,
+        )
+        return 2
     if recipe is not None and os.path.isfile(recipe):
         _share_recipe_folder(recipe)
     try:

@@ -183,6 +183,22 @@ def test_bad_arguments_exit_2():
     assert r.returncode == 2 and "not key=value" in r.stderr
 
 
+def test_a_mistyped_option_is_refused_naming_the_one_meant():
+    for option in ("--dryrun", "--dry_run", "--dry-run=true"):
+        r = launch("recipes/arith.py", option)
+        assert r.returncode == 2 and r.stdout == "", r.stderr
+        assert r.stderr.startswith(f"unknown option {option}; did you mean --dry-run?\n")
+
+
+def test_a_second_recipe_is_refused_as_one_not_as_an_override():
+    r = launch("recipes/arith.py", "recipes/gsm8k.py", "--dry-run")
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    assert r.stderr == (
+        "error: more than one recipe given (recipes/arith.py, recipes/gsm8k.py); a run takes "
+        "one recipe file, then key=value overrides\n"
+    )
+
+
 def test_missing_data_is_refused_before_any_node_starts(tmp_path):
     r = launch("recipes/gsm8k.py", f"data.path={tmp_path}", f"experiment.run_dir={tmp_path}")
     assert r.returncode == 2, r.stderr[-2000:]
