@@ -16,6 +16,7 @@ with no episode left is rejected as a whole (`EpisodeRejected`); rollout goes on
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -103,7 +104,14 @@ class AgentWorkflow:
         """(rows, episode reward, final text) of one agent run, or the error it ended with."""
         client = ChatClient(engine, self.format, sampling, max_prompt_len=self.max_prompt_len)
         try:
-            result = await self.agent(client, data)
+            started = self.agent(client, data)
+            if not inspect.isawaitable(started):  # a plain def: it never talked to the model
+                name = getattr(self.agent, "__qualname__", repr(self.agent))
+                raise TypeError(
+                    f"the agent {name} returned {type(started).__name__} {started!r:.60} without "
+                    "being awaited; rollout.agent names an `async def run(client, data)`"
+                )
+            result = await started
             final = client.records[-1].message.get("content") or "" if client.records else ""
             if isinstance(result, str):
                 if self.reward_fn is None:

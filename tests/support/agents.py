@@ -129,3 +129,8 @@ class NotedAgentWorkflow(AgentWorkflow):
             return await super().arun_episode(*args, **kwargs)
         except EpisodeRejected as e:
             raise EpisodeRejected(f"{e} ({self.note})", e.failed_samples) from None
+
+
+def plain_def_agent(client: Any, data: dict[str, Any]) -> float:
+    """An agent written as a plain function: it returns without awaiting the client."""
+    return 1.0

@@ -28,7 +28,7 @@ from arl.protocol.report import report_from_wire
 from arl.workflows.agent import AgentWorkflow
 from arl.workflows.base import EpisodeRejected, group_score
 from arl.workflows.rlvr import PromptTooLong
-from tests.support.agents import always_fails, every_other_fails
+from tests.support.agents import always_fails, every_other_fails, plain_def_agent
 from tests.support.tiny_model import make_tiny_model
 
 torch.set_num_threads(1)
@@ -291,6 +291,19 @@ def test_agent_errors_reject_samples_and_an_all_failed_group(tiny, tok):
     # Evaluation counts a failed episode as 0.
     assert group_score(group) == pytest.approx(sum(group.episode_rewards) / 4)
     assert rejected.failed_samples == 3
+
+
+def test_an_agent_written_as_a_plain_def_is_rejected_saying_to_make_it_async(tiny, tok):
+    async def main():
+        with HFEngine(tiny) as engine:
+            agent = AgentWorkflow(tok, None, sampling(tok), agent=plain_def_agent, n_samples=2)
+            with pytest.raises(EpisodeRejected) as e:
+                await agent.arun_episode(engine, {"messages": []})
+            return str(e.value)
+
+    said = asyncio.run(main())
+    assert "the agent plain_def_agent returned float 1.0 without being awaited" in said
+    assert "rollout.agent names an `async def run(client, data)`" in said
 
 
 def _report(rewards, episode_rewards=None, failed_samples=0):
