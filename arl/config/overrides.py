@@ -16,6 +16,15 @@ from arl.config.rules import BackendString
 from arl.config.tree import Config, field_keys
 from arl.config.validate import show_value, type_name
 
+# Names a user brings from the README ("eta") or other trainers, for which the nearest key by
+# spelling is a wrong one (rollout.eta -> rollout.reward, actor.learning_rate -> min_lr_ratio).
+_OTHER_NAMES = {
+    "eta": "rollout.max_head_offpolicyness",
+    "learning_rate": "actor.lr",
+    "model": "actor.path",
+    "model_path": "actor.path",
+}
+
 
 def _unknown_key(key: str, keys: dict[str, attrs.Attribute]) -> ConfigError:
     sections = [s.name for s in attrs.fields(Config)]
@@ -26,6 +35,9 @@ def _unknown_key(key: str, keys: dict[str, attrs.Attribute]) -> ConfigError:
             " (python -m arl.launch --help lists them)"
         )
     msg = f"unknown config key {key!r}"
+    other = _OTHER_NAMES.get(key.rpartition(".")[2].lower())
+    if other is not None:
+        return ConfigError(f"{msg}; did you mean {other!r}?")
     close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
     if not close:  # a bare field name, e.g. 'lr' for 'actor.lr'
         tail = key.rpartition(".")[2]

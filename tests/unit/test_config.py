@@ -115,6 +115,9 @@ def test_a_malformed_list_is_refused_not_guessed(override, says):
         ("gconfig.n_sample=2", "gconfig.n_samples"),
         ("lr=1", "actor.lr"),  # bare field name
         ("acter.eps_clip=0.2", "actor.eps_clip"),
+        ("rollout.eta=4", "rollout.max_head_offpolicyness"),  # the README's name for it
+        ("actor.learning_rate=1e-5", "actor.lr"),
+        ("actor.model=DIR", "actor.path"),
     ],
 )
 def test_unknown_key_names_the_nearest_valid_key(override, suggestion):
