@@ -675,9 +675,10 @@ class Config:
 
     @property
     def run_path(self) -> Path:
-        """The run directory: run_dir/name/trial."""
+        """The run directory: run_dir/name/trial (``~`` is the home folder: a shell leaves
+        it as it is in ``experiment.run_dir=~/runs``)."""
         e = self.experiment
-        return Path(e.run_dir) / e.name / e.trial
+        return Path(e.run_dir).expanduser() / e.name / e.trial
 
     @property
     def ref_path(self) -> str:

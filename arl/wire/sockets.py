@@ -53,8 +53,9 @@ def new_secret() -> str:
 
 
 def read_secret_file(path: str | os.PathLike) -> str:
-    """Read a secret from a file that only its owner can read (mode 0600)."""
-    p = Path(path)
+    """Read a secret from a file that only its owner can read (mode 0600); ``~`` is the home
+    folder (a shell leaves it in ``transport.secret_file=~/s`` and ``--secret-file=~/s``)."""
+    p = Path(path).expanduser()
     try:
         mode = p.stat().st_mode & 0o777
     except FileNotFoundError:

@@ -18,7 +18,7 @@ from arl.control.controller import Controller
 from arl.node.daemon import NodeDaemon, NodeStartError
 from arl.protocol.node_config import NodeConfig
 from arl.wire.addresses import free_port
-from arl.wire.sockets import SECRET_ENV, Security, new_secret
+from arl.wire.sockets import SECRET_ENV, Security, new_secret, read_secret_file
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -206,3 +206,11 @@ def test_a_data_host_it_cannot_bind_closes_what_it_opened():
     with pytest.raises(NodeStartError, match="cannot bind the data plane on '999.1.1.1'"):
         asyncio.run(daemon.run())
     assert set(threading.enumerate()) <= before
+
+
+def test_a_secret_file_under_tilde_is_read_from_the_home_folder(tmp_path, monkeypatch):
+    # A shell leaves `~` as it is in `--secret-file=~/s` and `transport.secret_file=~/s`.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "s").write_text("s3cret\n")
+    (tmp_path / "s").chmod(0o600)
+    assert read_secret_file("~/s") == "s3cret"

@@ -230,3 +230,15 @@ def test_keep_previous_keeps_a_different_config(tmp_path):
     kept = keep_previous(file, "b")
     assert kept == tmp_path / "config.1.yaml" and kept.read_text() == "a"
     assert not file.exists()
+
+
+def test_a_run_dir_given_under_tilde_is_in_the_home_folder_not_a_folder_named_tilde(
+    tmp_path, monkeypatch
+):
+    # A shell leaves `~` as it is in `experiment.run_dir=~/runs`.
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    cfg = apply_overrides(Config(), ["experiment.run_dir=~/runs", "experiment.name=x"])
+    _claim(cfg).release()
+    assert (tmp_path / "home" / "runs" / "x" / "trial0" / LOCK_NAME).is_file()
+    assert not (tmp_path / "~").exists()
