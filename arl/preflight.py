@@ -159,7 +159,8 @@ def check_server(cfg: Config, engines: Sequence[EngineSpec]) -> None:
     if cfg.cluster.launcher != "local":
         return
     for name in sorted({e.name for e in engines if e.is_server}):
-        package, python = SERVER_PACKAGES.get(name, name), cfg.rollout.server_python
+        package = SERVER_PACKAGES.get(name, name)
+        python = next(e.python for e in engines if e.name == name)  # as the node runs it
         where = f"rollout.backend={cfg.rollout.backend} starts `{python} -m {package}...`"
         todo = (
             f"install {package} for that interpreter, or set rollout.server_python to the python "

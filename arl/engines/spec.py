@@ -18,6 +18,7 @@ flag would leave the server's choice to its argument parser, so that is a `Confi
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -124,7 +125,7 @@ def engine_spec(
         dtype=cfg.rollout.dtype,
         seed=cfg.experiment.seed + node.dp_rank,  # replicas draw different samples
         tp_size=node.tp_size,
-        python=cfg.rollout.server_python,
+        python=os.path.expanduser(cfg.rollout.server_python),  # a shell leaves ~ in key=~/x
         server_args=tuple(cfg.rollout.server_args),
         start_timeout_s=cfg.rollout.server_start_timeout,
         lora_rank=int(cfg.actor.lora.rank),

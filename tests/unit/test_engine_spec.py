@@ -196,3 +196,11 @@ def test_an_in_process_engine_is_sized_for_the_run_and_a_server_sizes_itself():
         engine_options(off, hf, 1)["overlap"] is engine_options(off, hf, 1)["fused_decode"] is False
     )
     assert engine_options(cfg, EngineSpec(name="vllm", model_path="/m"), 1) == {}
+
+
+def test_a_server_python_under_tilde_is_in_the_home_folder(tmp_path, monkeypatch):
+    # A shell leaves `~` as it is in `rollout.server_python=~/venv/bin/python`.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (spec,) = _specs(["rollout.backend=vllm:d1", "rollout.server_python=~/venv/bin/python"], 0)
+    assert spec.python == str(tmp_path / "venv" / "bin" / "python")
+    assert server_command(spec)[0] == spec.python
