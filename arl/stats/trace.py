@@ -18,6 +18,7 @@ few microseconds; ``Tracer(None)`` records nothing.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import json
 import os
 import time
@@ -39,7 +40,13 @@ class Tracer:
         self.t0 = clock()
         self._rows: dict[str, int] = {}  # row name -> pid
         self._lanes: dict[tuple[str, int | str], int] = {}  # (row, lane) -> tid
-        self._busy: dict[str, set[int]] = {}  # numbered lanes in use per row
+        self._made: dict[str, int] = {}  # row -> lanes (tids) it has
+        self._numbered: dict[tuple[str, int], int] = {}  # (row, tid) -> numbered lane
+        # Per row, numbered lanes from ``_next`` up were never taken, and ``_free`` is a heap of
+        # the lower ones given back: taking the lowest free lane costs O(log n), not O(n), with
+        # thousands of spans open at once (a large batch's groups).
+        self._next: dict[str, int] = {}
+        self._free: dict[str, list[int]] = {}
         self._pending: list[str] = []
         self._fd: int | None = None
         self._end = 0  # file offset of the closing "]" that the next flush writes over
@@ -123,7 +130,9 @@ class Tracer:
         if tid is None:
             pid = self._pid(row)
             # Named lanes first, then the numbered ones in order: tids are unique per row.
-            tid = self._lanes[(row, lane)] = len([k for k in self._lanes if k[0] == row]) + 1
+            tid = self._lanes[(row, lane)] = self._made[row] = self._made.get(row, 0) + 1
+            if isinstance(lane, int):
+                self._numbered[(row, tid)] = lane
             label = lane if isinstance(lane, str) else f"lane {lane}"
             order = -tid if isinstance(lane, str) else 1000 + lane
             self._meta(pid, tid, "thread_name", {"name": label})
@@ -131,19 +140,19 @@ class Tracer:
         return tid
 
     def _take_lane(self, row: str) -> int:
-        busy = self._busy.setdefault(row, set())
-        lane = 0
-        while lane in busy:
-            lane += 1
-        busy.add(lane)
+        """The tid of ``row``'s lowest numbered lane that no open span holds."""
+        free = self._free.get(row)
+        if free:
+            lane = heapq.heappop(free)
+        else:
+            lane = self._next.get(row, 0)
+            self._next[row] = lane + 1
         return self._tid(row, lane)
 
     def _release_lane(self, row: str, tid: int) -> None:
-        busy = self._busy.get(row, set())
-        for lane in list(busy):
-            if self._lanes.get((row, lane)) == tid:
-                busy.discard(lane)
-                return
+        lane = self._numbered.get((row, tid))
+        if lane is not None:
+            heapq.heappush(self._free.setdefault(row, []), lane)
 
     # ---- output -----------------------------------------------------------------------------
     def _us(self, t: float) -> float:

@@ -54,6 +54,32 @@ def test_overlapping_spans_take_separate_lanes_and_free_them(tmp_path):
     assert names["trainer"] < names["rollout0"]  # declared order
 
 
+def test_a_span_takes_the_lowest_lane_that_no_open_span_holds(tmp_path):
+    """Lanes given back out of order are taken again lowest first; a new lane is made only when
+    every lane is held, and each lane keeps its tid."""
+    tr, clock = _tracer(tmp_path)
+    opened = {}
+    for key in ("a", "b", "c", "d"):  # lanes 0-3
+        opened[key] = tr.span("r", "gen", key=key)
+        opened[key].__enter__()
+    for key in ("c", "a", "b"):  # lanes 2, 0, 1 given back
+        clock.t += 1
+        opened[key].__exit__(None, None, None)
+    for key in ("e", "f", "g", "h"):  # lanes 0, 1, 2, then a new lane 4
+        opened[key] = tr.span("r", "gen", key=key)
+        opened[key].__enter__()
+    clock.t += 1
+    for key in ("d", "e", "f", "g", "h"):
+        opened[key].__exit__(None, None, None)
+    tr.close()
+    events = load_trace(tmp_path / "trace.json")
+    tid = {s["args"]["key"]: s["tid"] for s in spans(events)}
+    assert (tid["e"], tid["f"], tid["g"]) == (tid["a"], tid["b"], tid["c"])
+    assert len({tid[k] for k in "abcdh"}) == 5
+    lane_names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert [lane_names[tid[k]] for k in "abcdh"] == [f"lane {i}" for i in range(5)]
+
+
 def test_span_records_errors_and_cancellations(tmp_path):
     tr, clock = _tracer(tmp_path)
 
