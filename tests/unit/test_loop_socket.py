@@ -273,6 +273,36 @@ def test_send_waits_at_the_high_water_mark_and_keeps_call_order(run, ctx):
     run(main())
 
 
+def test_cancelled_sends_anywhere_in_the_queue_are_never_sent_and_the_rest_keep_order(run, ctx):
+    """Sends cancelled at the head, the tail and in the middle of a queue behind a full pipe (a
+    run stopped with its requests in flight) are dropped; the others go in call order."""
+
+    async def main() -> None:
+        router, dealer = _pair(ctx, peer_sndhwm=2, router_rcvhwm=2)
+        queued = 0
+        while True:  # fill the pipe until ZMQ refuses
+            try:
+                await dealer.send_multipart([b"fill"], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            queued += 1
+        sends = [asyncio.create_task(dealer.send_multipart([b"%d" % i])) for i in range(200)]
+        await _settle()
+        dropped = {0, 199, *range(50, 150)}  # the head, the tail, a block in the middle
+        for i in sorted(dropped, key=lambda i: (i % 7, i)):  # in no particular order
+            sends[i].cancel()
+        await _settle()
+        kept = [i for i in range(200) if i not in dropped]
+        got = [(await router.recv_multipart())[1] for _ in range(queued + len(kept))]
+        assert got == [b"fill"] * queued + [b"%d" % i for i in kept]
+        await asyncio.gather(*(sends[i] for i in kept))
+        assert await router.poll(50) == 0  # no cancelled send went out
+        router.close()
+        dealer.close()
+
+    run(main())
+
+
 def test_a_dealer_send_waits_for_its_peer_to_connect(run, ctx):
     async def main() -> None:
         dealer = LoopSocket(ctx.socket(zmq.DEALER))
