@@ -221,6 +221,10 @@ class RolloutController:
             task = asyncio.create_task(self._run_one(worker, index, key, row, self.sem.version))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            # A free slot is taken without suspending, so a large batch would be submitted in
+            # one burst that starves the loop (heartbeats, replies: 30k groups kept it >10 s and
+            # the nodes left as if the controller were lost); yield once a group instead.
+            await asyncio.sleep(0)
 
     async def _run_one(
         self, worker: RolloutWorkerAPI, index: int, key: str, row: dict, version: int
