@@ -38,6 +38,7 @@ from arl.wire.codec import (
     encode_message,
     peek_id,
 )
+from arl.wire.loop_socket import yield_every
 from arl.wire.sockets import Authenticator, Security, bind_tcp, make_socket, new_context, new_secret
 
 log = logging.getLogger("arl.controller")
@@ -315,7 +316,9 @@ class Controller:
 
     # ---- receive ----------------------------------------------------------------------------
     async def _recv_loop(self) -> None:
+        handled = 0
         while True:
+            handled = await yield_every(handled)  # a backlog is not one turn of the loop
             frames = await self.sock.recv_multipart(copy=False)
             self.bytes_in += sum(f.buffer.nbytes for f in frames)
             identity, body = frames[0].bytes, frames[1:]

@@ -65,6 +65,7 @@ from arl.wire.codec import (
     encode_message,
     peek_id,
 )
+from arl.wire.loop_socket import yield_every
 from arl.wire.sockets import (
     Authenticator,
     AuthError,
@@ -434,7 +435,9 @@ class NodeDaemon:
         return s
 
     async def _recv_loop(self) -> None:
+        handled = 0
         while True:
+            handled = await yield_every(handled)  # a backlog is not one turn of the loop
             frames = await self.sock.recv_multipart(copy=False)
             self._last_heard = time.monotonic()
             try:

@@ -25,6 +25,26 @@ _EVENTS = int(zmq.EVENTS)
 # backstop, after these delays (doubling), since its peer's wake-up may be consumed unseen.
 _RETRY_FIRST_S = 0.001
 _RETRY_MAX_S = 0.016
+# A receive that finds a message queued returns it without suspending, so a loop that receives
+# and starts a task per message drains a whole backlog in one turn of the event loop, and every
+# task it started then takes its first step in the next turn, before any timer (a heartbeat)
+# runs. Such loops suspend once per this many messages (`yield_every`): a turn then holds at
+# most this many tasks' first steps. 300k queued rollout calls were one turn of over 10 s.
+RECV_BURST = 64
+# Messages one `_serve` moves before it lets the loop run a turn and goes on in the next: a
+# backlog of queued sends (300k calls to a node that had fallen behind) was otherwise sent in
+# one callback for as long as the peer kept taking them, 32 s in which no heartbeat went out.
+_SERVE_BUDGET = 256
+
+
+async def yield_every(count: int, burst: int = RECV_BURST) -> int:
+    """Count one handled message; at every ``burst``-th, let the loop run a turn. Returns the
+    new count: ``n = await yield_every(n)`` in a receive loop."""
+    count += 1
+    if count >= burst:
+        await asyncio.sleep(0)
+        return 0
+    return count
 
 
 class SocketClosed(zmq.ZMQError):
@@ -72,6 +92,7 @@ class LoopSocket:
         "_stash",
         "_retry",
         "_retry_delay",
+        "_again",
         "_closed",
     )
 
@@ -99,6 +120,7 @@ class LoopSocket:
         self._stash: deque[list] = deque()  # messages handed to receivers that were cancelled
         self._retry: asyncio.TimerHandle | None = None
         self._retry_delay = _RETRY_FIRST_S
+        self._again: asyncio.Handle | None = None  # `_serve` goes on in the next turn
         self._closed = False
 
     def __repr__(self) -> str:
@@ -232,9 +254,10 @@ class LoopSocket:
             return
         self._closed = True
         loop = self._loop
-        if self._retry is not None:
-            self._retry.cancel()
-            self._retry = None
+        for handle in (self._retry, self._again):
+            if handle is not None:
+                handle.cancel()
+        self._retry = self._again = None
         if loop is not None and not loop.is_closed():
             loop.remove_reader(self._fd)  # before the FD is closed and its number reused
             self._fail_all(SocketClosed())
@@ -264,10 +287,13 @@ class LoopSocket:
         the wake-up of a state that is already there. So while calls wait, this returns only
         after a read of EVENTS that left nothing to do: after that read, any change wakes the
         FD again. (A call that finds nobody waiting reads EVENTS itself before it waits.)
+        After ``_SERVE_BUDGET`` messages it returns without that read and serves again in the
+        loop's next turn, so that a backlog does not keep the loop from everything else.
         """
         if self._closed:
             return
         blocked: set[bytes | None] = set()  # refused in this call; the retry timer retries
+        budget = _SERVE_BUDGET
         try:
             while True:
                 events = self.socket.getsockopt(_EVENTS)
@@ -276,14 +302,25 @@ class LoopSocket:
                 progress = False
                 if (events & _POLLIN or self._stash) and self._recv_waiters:
                     progress = self._recv_one()
+                    budget -= 1
                 if events & _POLLOUT and self._send_queues:
-                    progress = self._send_heads(blocked) or progress
+                    moved = self._send_heads(blocked, budget)
+                    progress = progress or moved >= 0
+                    budget -= max(moved, 0)
                 if not progress:
                     return
                 if not (self._recv_waiters or self._send_queues or self._poll_waiters):
                     return  # nobody waits: the next call reads EVENTS itself
+                if budget <= 0:
+                    if self._again is None and self._loop is not None:
+                        self._again = self._loop.call_soon(self._on_again)
+                    return
         except zmq.ZMQError as e:  # the context was terminated under us
             self._fail_all(e)
+
+    def _on_again(self) -> None:
+        self._again = None
+        self._serve()
 
     def _recv_one(self) -> bool:
         waiters = self._recv_waiters
@@ -328,13 +365,16 @@ class LoopSocket:
             send(part, _SNDMORE_NOBLOCK, copy=copy, track=track)
         return send(msg_parts[-1], _NOBLOCK, copy=copy, track=track)
 
-    def _send_heads(self, blocked: set[bytes | None]) -> bool:
-        """Send queued messages, in order per destination, until ZMQ refuses one."""
-        progress = False
+    def _send_heads(self, blocked: set[bytes | None], budget: int) -> int:
+        """Send queued messages, in order per destination, until ZMQ refuses one or ``budget``
+        of them are sent. Returns how many were sent or failed, or -1 where none was and no
+        operation ran. A destination still queued when the budget ran out goes last in the
+        order, so the next call serves the others first."""
+        moved, progress = 0, False
         for key, queue in list(self._send_queues.items()):
             if key in blocked:
                 continue
-            while queue:
+            while queue and moved < budget:
                 w = queue[0]
                 if w.future.done():  # cancelled
                     queue.popleft()
@@ -355,10 +395,13 @@ class LoopSocket:
                     queue.popleft()
                     w.future.set_result(result)
                     self._retry_delay = _RETRY_FIRST_S
-                progress = True
+                moved += 1
             if not queue:
                 del self._send_queues[key]
-        return progress
+            elif moved >= budget:
+                self._send_queues[key] = self._send_queues.pop(key)
+                break
+        return moved if moved or progress else -1
 
     def _wake_polls(self, events: int) -> None:
         if self._stash:

@@ -18,6 +18,7 @@ import uvloop
 import zmq
 import zmq.asyncio
 
+from arl.wire.loop_socket import _SERVE_BUDGET, RECV_BURST, yield_every
 from arl.wire.sockets import LoopSocket, SocketClosed
 
 _inproc = itertools.count()
@@ -297,6 +298,85 @@ def test_cancelled_sends_anywhere_in_the_queue_are_never_sent_and_the_rest_keep_
         assert got == [b"fill"] * queued + [b"%d" % i for i in kept]
         await asyncio.gather(*(sends[i] for i in kept))
         assert await router.poll(50) == 0  # no cancelled send went out
+        router.close()
+        dealer.close()
+
+    run(main())
+
+
+def test_a_backlog_of_sends_goes_out_a_budget_a_turn_while_the_loop_runs_other_work(run, ctx):
+    """Sends queued while no peer was connected (or behind a full pipe) all become sendable at
+    once: they go out in order, at most a budget of them in one turn of the loop, so that a
+    backlog of calls to one node never keeps the loop from its heartbeats and replies."""
+    n = 8 * _SERVE_BUDGET
+
+    async def main() -> None:
+        dealer = LoopSocket(ctx.socket(zmq.DEALER))
+        dealer.linger, dealer.sndhwm = 0, 0  # no high-water mark: only the budget stops a serve
+        sends = [asyncio.create_task(dealer.send_multipart([b"%d" % i])) for i in range(n)]
+        await _settle()
+        assert not any(t.done() for t in sends)  # no peer yet: all queued
+        done_by_turn: list[int] = []
+
+        async def ticker() -> None:
+            while True:
+                done_by_turn.append(sum(t.done() for t in sends))
+                await asyncio.sleep(0)
+
+        tick = asyncio.create_task(ticker())
+        router = LoopSocket(ctx.socket(zmq.ROUTER))
+        router.linger, router.rcvhwm = 0, 0
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        dealer.connect(f"tcp://127.0.0.1:{port}")  # every queued send can go now
+        await asyncio.gather(*sends)
+        tick.cancel()
+        got = [(await router.recv_multipart())[1] for _ in range(n)]
+        assert got == [b"%d" % i for i in range(n)]
+        steps = [b - a for a, b in zip(done_by_turn, done_by_turn[1:], strict=False)]
+        # One serve a turn, or two where an FD wake-up meets the continuation in one turn.
+        assert max(steps) <= 2 * _SERVE_BUDGET, steps
+        assert sum(1 for s in steps if s) >= 4, steps
+        router.close()
+        dealer.close()
+
+    run(main())
+
+
+def test_a_receive_loop_that_yields_every_burst_lets_the_loop_run_through_a_backlog(run, ctx):
+    """`yield_every` in a loop that receives and starts a task per message: a backlog already
+    queued is drained over many turns, not one, each turn starting at most a burst of tasks."""
+    n = 10 * RECV_BURST
+
+    async def main() -> None:
+        router, dealer = _pair(ctx, router_rcvhwm=0, peer_sndhwm=0)
+        for i in range(n):
+            await dealer.send_multipart([b"%d" % i])
+        await asyncio.sleep(0.2)  # all of them are queued at the router before it reads
+        turns = 0
+        started_by_turn: list[int] = []
+        started: list[asyncio.Task] = []
+
+        async def ticker() -> None:
+            nonlocal turns
+            while True:
+                turns += 1
+                started_by_turn.append(len(started))
+                await asyncio.sleep(0)
+
+        async def receive_loop() -> None:
+            handled = 0
+            for _ in range(n):
+                handled = await yield_every(handled)
+                frames = await router.recv_multipart()
+                started.append(asyncio.create_task(asyncio.sleep(0, frames[1])))
+
+        tick = asyncio.create_task(ticker())
+        await receive_loop()
+        tick.cancel()
+        got = [await t for t in started]
+        assert got == [b"%d" % i for i in range(n)]
+        steps = [b - a for a, b in zip(started_by_turn, started_by_turn[1:], strict=False)]
+        assert max(steps) <= RECV_BURST, steps
         router.close()
         dealer.close()
 
