@@ -42,6 +42,7 @@ from arl.wire.loop_socket import yield_every
 from arl.wire.sockets import Authenticator, Security, bind_tcp, make_socket, new_context, new_secret
 
 log = logging.getLogger("arl.controller")
+_BYE_WAIT_S = 2.0  # how long `Controller.close` waits for its byes to leave
 
 
 class NodeLost(RuntimeError):
@@ -207,12 +208,20 @@ class Controller:
 
     async def close(self) -> None:
         """Say bye to every node, fail pending calls, close the socket."""
-        for node in list(self.nodes.values()):
-            if not node.lost:
-                try:
-                    await self._send(node.identity, Message("bye", 0, "bye", "controller closing"))
-                except Exception:
-                    pass
+        bye = Message("bye", 0, "bye", "controller closing")
+        # To all at once, for a bounded time: a bye waits behind the calls queued to its node,
+        # and a node that reads none (its loop blocked) would hold the close for ever. A node
+        # that misses its bye leaves when it stops hearing the controller.
+        byes = [
+            asyncio.ensure_future(self._send(node.identity, bye))
+            for node in self.nodes.values()
+            if not node.lost
+        ]
+        if byes:
+            await asyncio.wait(byes, timeout=_BYE_WAIT_S)
+            for send in byes:
+                send.cancel()
+            await asyncio.gather(*byes, return_exceptions=True)
         await asyncio.sleep(0.05)  # let the byes leave before the socket closes
         for t in self._tasks:
             t.cancel()
@@ -297,13 +306,18 @@ class Controller:
         finally:
             self._pending.pop(mid, None)
 
-    async def _send(self, identity: bytes, msg: Message, doing: str = "") -> None:
+    async def _send(
+        self, identity: bytes, msg: Message, doing: str = "", wait: bool = True
+    ) -> None:
         """Send ``msg``; a node that is not connected raises `NodeLost` naming ``doing`` (the
-        call, as `_describe` names it) or the message's method."""
+        call, as `_describe` names it) or the message's method. With ``wait=False`` a message
+        that would wait (behind others to that node, or at its high-water mark) raises
+        ``zmq.Again`` and is not sent."""
         frames = encode_message(msg, self.inline_threshold)
-        self.bytes_out += sum(memoryview(f).nbytes for f in frames)
         try:
-            await self.sock.send_multipart([identity, *frames], copy=False)
+            await self.sock.send_multipart(
+                [identity, *frames], flags=0 if wait else zmq.NOBLOCK, copy=False
+            )
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH:
                 node = self._by_identity.get(identity)
@@ -313,6 +327,7 @@ class Controller:
                     "not connected",
                 ) from None
             raise
+        self.bytes_out += sum(memoryview(f).nbytes for f in frames)
 
     # ---- receive ----------------------------------------------------------------------------
     async def _recv_loop(self) -> None:
@@ -449,9 +464,12 @@ class Controller:
                         )
                     self._declare_lost(node, why)
                     continue
+                # Never waited for: one node's backlog of calls must not hold back the others'
+                # heartbeats (300k calls queued to a rollout node kept the train node's away
+                # until it left, "controller silent"); that node hears the calls themselves.
                 try:
-                    await self._send(node.identity, Message("hb", 0, "hb", None))
-                except NodeLost:
+                    await self._send(node.identity, Message("hb", 0, "hb", None), wait=False)
+                except (NodeLost, zmq.Again):
                     pass
 
     def _declare_lost(self, node: NodeHandle, why: str) -> None:
