@@ -279,7 +279,9 @@ class RolloutConfig:
         "in flight, on which node, for how long (again every as many seconds; none: never)",
         rule=positive(inf=True),
     )
-    dtype: str = _f("auto", "inference weight dtype (auto, bfloat16, float16, float32)")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = _f(
+        "auto", "inference weight dtype (auto, bfloat16, float16, float32)"
+    )
     hf_decode_attention: Literal["auto", "sdpa", "flex", "triton"] = _f(
         "auto",
         "hf engine decode attention: sdpa reads every row's KV cache up to the batch's longest "

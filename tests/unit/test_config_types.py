@@ -47,6 +47,8 @@ def _problems(**values: object) -> str:
         ("cluster.n_gpus", 1.0, "cluster.n_gpus=1.0: expected int or none"),
         ("rollout.group_timeout", "1h", "rollout.group_timeout='1h': expected float or none"),
         ("rollout.batch_order", "fastest", "choose one of finished, submitted"),
+        # Named by its key, not as the engine spec's field (bf16 is torch's short name).
+        ("rollout.dtype", "bf16", "rollout.dtype='bf16': choose one of auto, bfloat16, float16"),
         # A str is no list: it used to be checked, and shown, as its characters.
         (
             "cluster.allowed_import_prefixes",
