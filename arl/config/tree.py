@@ -218,7 +218,7 @@ class RolloutConfig:
         "eta: how many policy versions older than the trainer a sample may be (0: synchronous)",
         rule=at_least_0("0: synchronous"),
     )
-    gpu_sharing: Literal["concurrent", "alternate", "mps", "sleep"] = _f(
+    gpu_sharing: Literal["concurrent", "alternate", "mps", "sleep", "auto"] = _f(
         "concurrent",
         "engines on a train rank's GPU: concurrent generates while the ranks train (the GPU "
         "time-slices between the two processes); alternate pauses their generation in place "
@@ -227,7 +227,9 @@ class RolloutConfig:
         "mps runs both at once under a private NVIDIA MPS daemon (cluster.launcher=local), the "
         "engine held to rollout.mps_engine_percent of the SMs; sleep is alternate with the "
         "engine's memory given back while the ranks train (KV cache freed, weights dropped; "
-        "woken with the synced weights), for a model that does not fit twice",
+        "woken with the synced weights), for a model that does not fit twice; auto is mps "
+        "where cluster.launcher=local puts an engine on a train rank's GPU and NVIDIA's MPS "
+        "daemon (nvidia-cuda-mps-control) is on PATH and starts, else concurrent",
     )
     mps_engine_percent: int = _f(
         100,

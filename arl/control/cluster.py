@@ -24,7 +24,8 @@ from arl.config import Config, ConfigError
 from arl.control.controller import BindError, Controller, NodeHandle
 from arl.control.launcher import LocalNodes, SlurmNodes
 from arl.control.launchers import launcher_class
-from arl.control.mps import MpsDaemon, control_binary, mps_node_env
+from arl.control.mps import MpsDaemon, mps_node_env, start_daemon
+from arl.control.mps import wanted as mps_wanted
 from arl.control.placement import check_node_count, shares_gpu
 from arl.control.ray_launcher import RayNodes
 from arl.protocol.node_config import NodeConfig
@@ -219,8 +220,8 @@ class LaunchRequest:
 
 class _LocalLauncher:
     """``local``: one ``arl-node`` subprocess per plan entry on this machine; with
-    ``rollout.gpu_sharing=mps`` and an engine on a train rank's GPU, a private MPS daemon
-    (`arl.control.mps`) started before the nodes and ended after them."""
+    ``rollout.gpu_sharing=mps`` (or auto, where it can) and an engine on a train rank's GPU,
+    a private MPS daemon (`arl.control.mps`) started before the nodes and ended after them."""
 
     def __init__(self, req: LaunchRequest) -> None:
         self.req, self.nodes = req, None
@@ -228,8 +229,13 @@ class _LocalLauncher:
         rollout = [s for s in req.plan if s.role == "rollout"]
         train = [s for s in req.plan if s.role == "train"]
         self.shared = {s.node_id for s in rollout if shares_gpu(s, train)}
-        if req.cfg.rollout.gpu_sharing == "mps" and self.shared:
-            control_binary()  # a missing daemon is a config error, before anything starts
+        # mps without its daemon is a config error, before anything starts; auto goes without
+        self.use_mps = mps_wanted(req.cfg.rollout.gpu_sharing, bool(self.shared))
+        if req.cfg.rollout.gpu_sharing == "auto" and self.shared and not self.use_mps:
+            log.info(
+                "rollout.gpu_sharing=auto: no nvidia-cuda-mps-control on PATH; the engines "
+                "time-slice the GPU with the train ranks (as concurrent)"
+            )
 
     async def prepare(self) -> None:
         pass
@@ -240,9 +246,9 @@ class _LocalLauncher:
     async def start(self, controller: str) -> None:
         r = self.req
         envs = [node_env(s, r.cfg, r.plan) for s in r.plan]
-        if r.cfg.rollout.gpu_sharing == "mps" and self.shared:
-            self.mps = MpsDaemon(r.cfg.run_path / "mps")
-            await self.mps.start()
+        if self.use_mps:
+            self.mps = await start_daemon(r.cfg.run_path / "mps", r.cfg.rollout.gpu_sharing)
+        if self.mps is not None:
             pct = r.cfg.rollout.mps_engine_percent
             for spec, env in zip(r.plan, envs, strict=True):
                 shared = spec.node_id in self.shared

@@ -15,6 +15,11 @@ like every other process arl starts, `arl.process`) with a private pipe director
 processes given `MpsDaemon.client_env` become its clients, and other users and runs of the GPU
 are left as they are. `MpsDaemon.stop` sends it ``quit`` (it ends the MPS server it started)
 and ends what is left. `mps_node_env` is what one node of the plan gets.
+
+``rollout.gpu_sharing=auto`` asks for MPS only where it can run: `wanted` says whether a run's
+engines get a daemon, and `start_daemon` falls back to time-slicing (concurrent), saying why,
+where the daemon does not start. Measured on three H100s (gsm8k, 40 steps, session 37), MPS
+took 4% less time per trained token than time-slicing on every machine.
 """
 
 from __future__ import annotations
@@ -49,6 +54,35 @@ def control_binary() -> str:
             "PATH, or use rollout.gpu_sharing=concurrent or alternate"
         )
     return found
+
+
+def wanted(mode: str, shares_gpu: bool) -> bool:
+    """Whether a local run in ``rollout.gpu_sharing`` mode ``mode`` starts an MPS daemon, where
+    an engine shares a train rank's GPU (``shares_gpu``): always for mps (a missing daemon is a
+    `ConfigError`), for auto where the daemon is on PATH."""
+    if not shares_gpu or mode not in ("mps", "auto"):
+        return False
+    if mode == "mps":
+        control_binary()
+        return True
+    return shutil.which(CONTROL) is not None
+
+
+async def start_daemon(log_dir: Path, mode: str) -> MpsDaemon | None:
+    """A started daemon; under auto, None (with a warning) where it does not start."""
+    daemon = MpsDaemon(log_dir)
+    try:
+        await daemon.start()
+    except RuntimeError as e:
+        if mode == "mps":
+            raise
+        log.warning(
+            "rollout.gpu_sharing=auto: MPS did not start, so the engines time-slice "
+            "the GPU (as concurrent): %s",
+            e,
+        )
+        return None
+    return daemon
 
 
 def mps_node_env(

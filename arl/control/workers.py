@@ -153,7 +153,7 @@ def sharing_gpu(cfg: Config, cluster: Cluster) -> list[int]:
     ``rollout.gpu_sharing`` acts on); warns where that setting has nothing to act on."""
     train = [p.spec for p in cluster.train]
     sharing = [i for i, p in enumerate(cluster.rollout) if shares_gpu(p.spec, train)]
-    if cfg.rollout.gpu_sharing != "concurrent" and not sharing:
+    if cfg.rollout.gpu_sharing not in ("concurrent", "auto") and not sharing:
         log.warning(
             "rollout.gpu_sharing=%s has no effect here: no rollout engine shares a GPU "
             "with a train rank",

@@ -135,11 +135,15 @@ def test_cuda_ipc_fields_open_the_same_memory_in_another_process():
     shutil.which("nvidia-cuda-mps-control") is None,
     reason="needs NVIDIA's MPS control daemon on PATH",
 )
-def test_mps_sharing_runs_under_the_runs_own_daemon_and_syncs_every_step(tmp_path, tiny_model):
-    """``rollout.gpu_sharing=mps``: the nodes are clients of a daemon the run starts (its logs
-    in the run folder) and ends; CUDA IPC weight sync works between the two MPS clients."""
+@pytest.mark.parametrize("mode", ["mps", "auto"])
+def test_mps_sharing_runs_under_the_runs_own_daemon_and_syncs_every_step(
+    tmp_path, tiny_model, mode
+):
+    """``rollout.gpu_sharing=mps`` (and auto, where the daemon is on PATH): the nodes are
+    clients of a daemon the run starts (its logs in the run folder) and ends; CUDA IPC weight
+    sync works between the two MPS clients."""
     before = set(Path(tempfile.gettempdir()).glob("arl-mps-*"))
-    cfg = gpu_config(tmp_path, tiny_model, 1, "rollout.gpu_sharing=mps")
+    cfg = gpu_config(tmp_path, tiny_model, 1, f"rollout.gpu_sharing={mode}")
     _run_and_check(cfg, "auto (ipc_buffer) under MPS")
     log = cfg.run_path / "mps" / "daemon.out"  # in the foreground it logs to its stdout
     text = log.read_text() if log.exists() else ""

@@ -74,6 +74,49 @@ def test_mps_without_its_daemon_on_path_is_refused_before_any_process_starts(mon
     _LocalLauncher(LaunchRequest(_mps_config(), cpu, Security("s" * 32), ["r0", "t0"]))
 
 
+def test_auto_sharing_uses_mps_only_where_its_daemon_is_found_and_starts(
+    tmp_path, monkeypatch, caplog
+):
+    """``rollout.gpu_sharing=auto`` (the gsm8k recipe's): without the daemon on PATH the run
+    time-slices and nothing is refused; with one that cannot start (another MPS daemon, an
+    exclusive-process GPU: here a program that says so and exits) it warns and time-slices,
+    where ``mps`` stops the run with the daemon's log."""
+    import asyncio
+    import logging
+    import os
+    import tempfile
+    from pathlib import Path
+
+    import pytest
+
+    from arl.control.cluster import LaunchRequest, _LocalLauncher
+    from arl.control.mps import CONTROL, start_daemon, wanted
+    from arl.wire.sockets import Security
+
+    auto = Config()
+    auto.rollout.gpu_sharing = "auto"
+    monkeypatch.setenv("PATH", "/nonexistent")
+    req = LaunchRequest(auto, _colocated_plan(), Security("s" * 32), ["r0", "t0"])
+    assert _LocalLauncher(req).use_mps is False
+    assert not wanted("auto", True) and not wanted("concurrent", True) and not wanted("mps", False)
+
+    refusing = tmp_path / "bin" / CONTROL
+    refusing.parent.mkdir()
+    says = "echo 'MPS is not supported in exclusive-process mode'"
+    refusing.write_text(f"#!/bin/sh\n{says}\nexit 1\n")
+    refusing.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{refusing.parent}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    assert _LocalLauncher(req).use_mps is True
+    pipes_before = set(Path(tempfile.gettempdir()).glob("arl-mps-*"))
+    caplog.set_level(logging.WARNING, logger="arl.control.mps")
+    assert asyncio.run(start_daemon(tmp_path / "auto", "auto")) is None
+    (warning,) = [r.getMessage() for r in caplog.records if "gpu_sharing=auto" in r.getMessage()]
+    assert "MPS did not start" in warning and "exclusive-process mode" in warning
+    with pytest.raises(RuntimeError, match="exclusive-process mode"):
+        asyncio.run(start_daemon(tmp_path / "mps", "mps"))
+    assert set(Path(tempfile.gettempdir()).glob("arl-mps-*")) == pipes_before  # none left
+
+
 def _cpu_node(node_id: int, role: str) -> NodeSpec:
     engine = "fsdp" if role == "train" else "hf"
     return NodeSpec(
