@@ -352,14 +352,11 @@ def test_a_receive_loop_that_yields_every_burst_lets_the_loop_run_through_a_back
         for i in range(n):
             await dealer.send_multipart([b"%d" % i])
         await asyncio.sleep(0.2)  # all of them are queued at the router before it reads
-        turns = 0
         started_by_turn: list[int] = []
         started: list[asyncio.Task] = []
 
         async def ticker() -> None:
-            nonlocal turns
             while True:
-                turns += 1
                 started_by_turn.append(len(started))
                 await asyncio.sleep(0)
 
