@@ -213,7 +213,7 @@ class Controller:
         # and a node that reads none (its loop blocked) would hold the close for ever. A node
         # that misses its bye leaves when it stops hearing the controller.
         byes = [
-            asyncio.ensure_future(self._send(node.identity, bye))
+            asyncio.create_task(self._send(node.identity, bye))
             for node in self.nodes.values()
             if not node.lost
         ]

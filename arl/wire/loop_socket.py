@@ -304,9 +304,11 @@ class LoopSocket:
                     progress = self._recv_one()
                     budget -= 1
                 if events & _POLLOUT and self._send_queues:
+                    refused = len(blocked)
                     moved = self._send_heads(blocked, budget)
-                    progress = progress or moved >= 0
-                    budget -= max(moved, 0)
+                    # A refusal is progress too: an operation ran, so EVENTS is read again.
+                    progress = progress or moved > 0 or len(blocked) > refused
+                    budget -= moved
                 if not progress:
                     return
                 if not (self._recv_waiters or self._send_queues or self._poll_waiters):
@@ -367,10 +369,10 @@ class LoopSocket:
 
     def _send_heads(self, blocked: set[bytes | None], budget: int) -> int:
         """Send queued messages, in order per destination, until ZMQ refuses one or ``budget``
-        of them are sent. Returns how many were sent or failed, or -1 where none was and no
-        operation ran. A destination still queued when the budget ran out goes last in the
-        order, so the next call serves the others first."""
-        moved, progress = 0, False
+        of them are sent. Returns how many were sent or failed; a destination ZMQ refused is
+        added to ``blocked``. A destination still queued when the budget ran out goes last in
+        the order, so the next call serves the others first."""
+        moved = 0
         for key, queue in list(self._send_queues.items()):
             if key in blocked:
                 continue
@@ -386,7 +388,6 @@ class LoopSocket:
                     # FD wake-up or the retry timer.
                     blocked.add(key)
                     self._arm_retry()
-                    progress = True
                     break
                 except zmq.ZMQError as e:  # EHOSTUNREACH: that peer is gone
                     queue.popleft()
@@ -401,7 +402,7 @@ class LoopSocket:
             elif moved >= budget:
                 self._send_queues[key] = self._send_queues.pop(key)
                 break
-        return moved if moved or progress else -1
+        return moved
 
     def _wake_polls(self, events: int) -> None:
         if self._stash:

@@ -287,10 +287,11 @@ def test_validate_reports_bad_values(overrides, problem):
 def test_auto_gpu_sharing_is_valid_under_any_launcher():
     """auto asks for MPS only where the local launcher can start it: under Slurm it means
     concurrent, so it is no error there, as mps is."""
+    from arl.config.validate import validation_problems
+
     for launcher in ("local", "slurm"):
-        apply_overrides(
-            Config(), ["rollout.gpu_sharing=auto", f"cluster.launcher={launcher}"]
-        ).validate()
+        overrides = ["rollout.gpu_sharing=auto", f"cluster.launcher={launcher}"]
+        assert validation_problems(apply_overrides(Config(), overrides)) == []
 
 
 def test_validate_catches_backend_strings_set_in_code():
