@@ -182,6 +182,13 @@ class NodeDaemon:
                 loop.add_signal_handler(sig, self.stop, f"signal {sig.name}")
             except (NotImplementedError, RuntimeError):  # not the main thread
                 pass
+        # What the hello says, taken in a thread before the loop's watchdog starts: its first
+        # CUDA query starts NVML, which held a train node's loop for over 2.5 s on an H100 host
+        # (the gsm8k recipe, whose gpu_sharing=auto starts MPS there): a stall report with a
+        # traceback, refused as coming before any hello. A signal meanwhile is handled, and the
+        # node stops once it has the answer.
+        info = await loop.run_in_executor(None, self.info)
+        self._last_heard = time.monotonic()  # the controller's silence counts from the hello
         recv = asyncio.create_task(self._recv_loop())
         hb = asyncio.create_task(self._heartbeat_loop())
         tick = asyncio.create_task(self._tick_loop())
@@ -194,7 +201,7 @@ class NodeDaemon:
         self._watchdog.start()
         # A task, not awaited here: refused at the handshake, the node has no link and this send
         # never completes; the heartbeat loop's silence check (and SIGTERM) must still end it.
-        hello = asyncio.create_task(self._send(Message("hello", 0, "hello", self.info())))
+        hello = asyncio.create_task(self._send(Message("hello", 0, "hello", info)))
         try:
             await self._stop.wait()
         finally:
