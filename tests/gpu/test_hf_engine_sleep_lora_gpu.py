@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -80,8 +81,11 @@ def test_sleep_frees_what_it_reports_and_wake_decodes_again_cuda(
     # small tensors share with what earlier tests left alive stays (session 38 saw 10 of 17
     # MB come back after the FSDP and engine tests, and all of it alone).
     path = save_model(tmp_path, vocab_size=4096, **MEDIUM)
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        pool.apply(_sleep_round, (path, drop_weights))
+    # Not a multiprocessing.Pool: its workers are daemons, which may not start the processes
+    # a compilation can (an executor's worker may, and its error comes back with its traceback).
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        pool.submit(_sleep_round, path, drop_weights).result()
 
 
 def test_lora_adapter_update_gives_the_peft_models_logprobs_cuda(tmp_path: Path) -> None:
