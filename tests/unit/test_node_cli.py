@@ -197,39 +197,43 @@ def test_a_stopping_node_reports_no_stall_while_it_closes_its_objects(nowhere, c
     assert "event loop blocked" not in caplog.text, caplog.text
 
 
-def test_a_node_whose_first_cuda_query_is_slow_reports_no_stall_and_says_hello(nowhere, caplog):
+def test_a_node_whose_first_cuda_query_is_slow_keeps_its_loop_turning_and_reports_no_stall(
+    nowhere, caplog
+):
     """What the hello says is taken off the event loop: torch's first CUDA query starts NVML,
     which took over 2.5 s on an H100 host in a gsm8k run, and the loop's watchdog (0.4 s with
     a 1 s heartbeat timeout) reported that as a stall before the node had said hello."""
     cfg = NodeConfig(heartbeat_interval=0.1, heartbeat_timeout=1.0)
     daemon = NodeDaemon(nowhere, Security(new_secret()), node_id="slow", config=cfg)
     asked: list[str] = []
+    answered: list[float] = []
 
     def slow_info() -> dict:
         asked.append(threading.current_thread().name)
         time.sleep(1.0)  # as NVML's start blocks
+        answered.append(time.monotonic())
         return {"node_id": "slow"}
 
     daemon.info = slow_info
+    ticks: list[float] = []
 
     async def main() -> str:
         loop = asyncio.get_running_loop()
-        ticks: list[float] = []
 
-        def tick() -> None:  # the loop keeps turning while the answer is awaited
+        def tick() -> None:
             ticks.append(time.monotonic())
-            if len(ticks) < 10:
+            if len(ticks) < 40:
                 loop.call_later(0.05, tick)
 
         loop.call_soon(tick)
         loop.call_later(1.3, daemon.stop, "told to")
-        reason = await daemon.run()
-        assert len(ticks) == 10 and ticks[-1] - ticks[0] < 0.9, ticks  # within info's second
-        return reason
+        return await daemon.run()
 
     with caplog.at_level(logging.WARNING, logger="arl.node"):
         assert asyncio.run(main()) == "told to"
     assert asked and asked[0] != threading.main_thread().name
+    # The loop kept turning while the answer was awaited (about 20 ticks; none when it blocked).
+    assert sum(t < answered[0] for t in ticks) >= 5, (ticks, answered)
     assert "event loop blocked" not in caplog.text, caplog.text
 
 
