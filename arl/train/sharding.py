@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import types
+import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -20,6 +21,17 @@ from arl.train.lora import compute_adapters_in, inject_adapters
 from arl.train.master import MasterWeights
 from arl.train.offload import HostMasterWeights
 from arl.transformers_imports import prepare_transformers_import
+
+# torch's own guard code reads ``.grad`` of the tensors a compiled layer takes, and a tensor that
+# is not a leaf makes that read warn (seen with torch 2.11 on CUDA, once a rank compiles its layers
+# for a one-rank bf16 update): a line in every GPU run's log about torch's access, which nothing a
+# user does can change.
+warnings.filterwarnings(
+    "ignore",
+    message=r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+    category=UserWarning,
+    module=r"torch\._dynamo\.guards",
+)
 
 
 def compute_dtype(cfg: ActorConfig, device: torch.device) -> torch.dtype:

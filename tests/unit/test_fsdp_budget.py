@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -100,3 +103,29 @@ def test_cpu_warm_up_runs_one_tiny_pass_and_leaves_no_gradients(model_dir, overr
     finally:
         hook.remove()
         eng.destroy()
+
+
+def test_a_train_process_hides_torchs_non_leaf_grad_warning_from_its_guards_and_nothing_else():
+    """The train rank's modules filter the one warning torch's guard code raises (about its own
+    read of a non-leaf tensor's ``.grad``); the same text from elsewhere, and another warning
+    from the guards, still show. A fresh process, as a train node imports them."""
+    script = textwrap.dedent(
+        """
+        import warnings
+        import arl.train.fsdp  # what a train node imports
+
+        text = "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed."
+        for message, module in [
+            (text, "torch._dynamo.guards"),
+            (text + " (elsewhere)", "my.module"),
+            ("another warning", "torch._dynamo.guards"),
+        ]:
+            warnings.warn_explicit(message, UserWarning, "f.py", 1, module=module, registry={})
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
+    )
+    shown = [line for line in out.stderr.splitlines() if "UserWarning" in line]
+    assert len(shown) == 2, out.stderr
+    assert "(elsewhere)" in shown[0] and "another warning" in shown[1], shown
