@@ -79,7 +79,7 @@ def test_sleep_frees_what_it_reports_and_wake_decodes_again_cuda(
     # In a process of its own, as the engine runs in a rollout node: the driver gets back
     # whole segments of the caching allocator, and in this process a segment the engine's
     # small tensors share with what earlier tests left alive stays (session 38 saw 10 of 17
-    # MB come back after the FSDP and engine tests, and all of it alone).
+    # MB come back after the FSDP and engine tests, and over 95% with this test run first).
     path = save_model(tmp_path, vocab_size=4096, **MEDIUM)
     # Not a multiprocessing.Pool: its workers are daemons, which may not start the processes
     # a compilation can (an executor's worker may, and its error comes back with its traceback).
