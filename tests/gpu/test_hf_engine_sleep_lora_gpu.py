@@ -31,45 +31,35 @@ def driver_free() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
-def _sleep_round(path: str, drop_weights: bool) -> None:
-    """Generate, sleep, wake and generate again in this process, checking each step."""
+def _sleep_round(path: str, drop_weights: bool) -> dict:
+    """Generate, sleep, wake and generate again in this process: what each step showed."""
     prompts = random_prompts(16, 4096, seed=0)
 
-    async def main() -> None:
+    async def generate(engine: HFEngine) -> list[list[int]]:
+        done = await asyncio.gather(*(engine.agenerate(p, GREEDY) for p in prompts))
+        return [r.output_ids for r in done]
+
+    async def main() -> dict:
+        seen: dict = {}
         with HFEngine(path, device="cuda", max_batch_size=16, warm_up_len=256) as engine:
             weights = {n: p.detach().clone() for n, p in engine._model.named_parameters()}
-            weight_bytes = sum(t.nbytes for t in weights.values())
-            before = [
-                r.output_ids
-                for r in await asyncio.gather(*(engine.agenerate(p, GREEDY) for p in prompts))
-            ]
-            assert (await engine.health())["decode_graphs"] > 0
+            seen["weight_bytes"] = sum(t.nbytes for t in weights.values())
+            seen["before"] = await generate(engine)
+            seen["graphs_before"] = (await engine.health())["decode_graphs"]
             free0 = driver_free()
-            freed = await engine.sleep(drop_weights=drop_weights)
-            released = driver_free() - free0
-            health = await engine.health()
-            assert health["asleep"] and health["sleep_freed_bytes"] == freed
-            assert health["decode_graphs"] == 0
-            # What it reports is what the allocator freed; the driver sees at least that
-            # much come back (empty_cache also returns blocks that were only reserved).
-            assert released >= 0.95 * freed, (released, freed)
-            if drop_weights:
-                assert freed >= weight_bytes
-            else:  # the KV cache and the graphs' pool went; the weights stayed
-                assert freed > 0 and all(p.numel() for p in engine._model.parameters())
+            seen["freed"] = await engine.sleep(drop_weights=drop_weights)
+            seen["released"] = driver_free() - free0
+            seen["asleep"] = await engine.health()
+            seen["weights_kept"] = all(p.numel() for p in engine._model.parameters())
             await engine.wake()
             if drop_weights:
-                assert engine.update_weights(weights.items()) == len(weights)
+                seen["loaded"] = (engine.update_weights(weights.items()), len(weights))
             await engine.resume()
-            after = [
-                r.output_ids
-                for r in await asyncio.gather(*(engine.agenerate(p, GREEDY) for p in prompts))
-            ]
-            assert after == before
-            health = await engine.health()
-            assert health["cuda_graphs"] and health["decode_graphs"] > 0 and not health["asleep"]
+            seen["after"] = await generate(engine)
+            seen["awake"] = await engine.health()
+        return seen
 
-    asyncio.run(main())
+    return asyncio.run(main())
 
 
 @pytest.mark.parametrize("drop_weights", [True, False])
@@ -85,7 +75,23 @@ def test_sleep_frees_what_it_reports_and_wake_decodes_again_cuda(
     # a compilation can (an executor's worker may, and its error comes back with its traceback).
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(1, mp_context=spawn) as pool:
-        pool.submit(_sleep_round, path, drop_weights).result()
+        seen = pool.submit(_sleep_round, path, drop_weights).result()
+    assert seen["graphs_before"] > 0
+    freed, released, asleep = seen["freed"], seen["released"], seen["asleep"]
+    assert asleep["asleep"] and asleep["sleep_freed_bytes"] == freed
+    assert asleep["decode_graphs"] == 0
+    # What it reports is what the allocator freed; the driver sees at least that much come
+    # back (empty_cache also returns blocks that were only reserved).
+    assert released >= 0.95 * freed, (released, freed)
+    if drop_weights:
+        assert freed >= seen["weight_bytes"]
+        loaded, total = seen["loaded"]
+        assert loaded == total
+    else:  # the KV cache and the graphs' pool went; the weights stayed
+        assert freed > 0 and seen["weights_kept"]
+    assert seen["after"] == seen["before"]
+    awake = seen["awake"]
+    assert awake["cuda_graphs"] and awake["decode_graphs"] > 0 and not awake["asleep"]
 
 
 def test_lora_adapter_update_gives_the_peft_models_logprobs_cuda(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from arl.config import (
     to_yaml,
 )
 from arl.config.tree import SaverConfig
+from arl.config.validate import validation_problems
 
 
 def test_defaults_validate_and_run_path():
@@ -287,8 +288,6 @@ def test_validate_reports_bad_values(overrides, problem):
 def test_auto_gpu_sharing_is_valid_under_any_launcher():
     """auto asks for MPS only where the local launcher can start it: under Slurm it means
     concurrent, so it is no error there, as mps is."""
-    from arl.config.validate import validation_problems
-
     for launcher in ("local", "slurm"):
         overrides = ["rollout.gpu_sharing=auto", f"cluster.launcher={launcher}"]
         assert validation_problems(apply_overrides(Config(), overrides)) == []
